@@ -1,0 +1,130 @@
+// Shared by the CPU and CUDA kernels: the e4m3 conversion, the scale rule and the wire format.
+// Everything here is host+device so both backends produce identical bytes.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FP8A2A_HD __host__ __device__ __forceinline__
+#else
+#define FP8A2A_HD inline
+#endif
+
+namespace fp8a2a {
+
+constexpr float kE4M3Max = 448.0f;
+constexpr int kBlock = 128;  // block128 granularity
+
+enum Granularity : int64_t { kRow = 0, kBlock128 = 1, kTensor = 2 };
+
+FP8A2A_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+FP8A2A_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// fp32 -> e4m3fn, round-to-nearest-even, saturating to +-448, NaN kept.
+// Same result as torch's own `.to(torch.float8_e4m3fn)` (which saturates in torch >= 2.13)
+// on every input, including the values that torch < 2.13 turned into NaN.
+FP8A2A_HD uint8_t e4m3_from_f32(float f) {
+  uint32_t bits = f32_bits(f);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  bits &= 0x7fffffffu;
+  if (bits > 0x7f800000u) return sign | 0x7fu;           // NaN
+  if (bits >= 0x43e00000u) return sign | 0x7eu;          // >= 448 (inf too): saturate
+  if (bits < (121u << 23)) {                             // below 2^-6: subnormal e4m3
+    // Adding 2^-9 * 2^? aligns the mantissa so the FPU rounds to nearest even for us.
+    const float denorm = bits_f32(141u << 23);
+    return sign | static_cast<uint8_t>(f32_bits(bits_f32(bits) + denorm) - (141u << 23));
+  }
+  const uint32_t odd = (bits >> 20) & 1u;
+  bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + odd;
+  const uint8_t r = static_cast<uint8_t>(bits >> 20);
+  return sign | (r > 0x7eu ? 0x7eu : r);                 // rounding up past 448 saturates
+}
+
+FP8A2A_HD float f32_from_e4m3(uint8_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t exp = (v >> 3) & 0xfu, man = v & 0x7u;
+  if (exp == 0xf && man == 0x7) return bits_f32(sign | 0x7fc00000u);
+  if (exp == 0) return (sign ? -1.0f : 1.0f) * static_cast<float>(man) * 0.001953125f;  // man * 2^-9
+  return bits_f32(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// NaN-propagating |x| max (fmaxf would drop NaN and give a finite, wrong scale).
+FP8A2A_HD float amax_step(float acc, float v) {
+  const float a = fabsf(v);
+  return (a != a || acc != acc) ? NAN : (a > acc ? a : acc);
+}
+
+// The scale rule, for an amax over a row or a block:
+//   quant multiplier  q = 448 / amax          (IEEE division, = torch.div)
+//   dequant scale     s = amax / 448          (what is stored and sent: x ~= e4m3 * s)
+// An all-zero row has amax 0; it gets q = s = 1 so it stays zero and finite.
+// A NaN row gives NaN; an Inf row gives q = 0, s = inf: it dequantizes to NaN, never finite.
+FP8A2A_HD float quant_multiplier(float amax) { return amax == 0.0f ? 1.0f : kE4M3Max / amax; }
+FP8A2A_HD float dequant_scale(float amax) { return amax == 0.0f ? 1.0f : amax / kE4M3Max; }
+
+FP8A2A_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Dispatch wire format: one row = one token for one destination rank, H e4m3 bytes followed by
+// everything the receiver needs, so a single uint8 all_to_all_single carries it all.
+//   [0, H)                      e4m3 payload
+//   [scale_off, +4*num_scales)  f32 dequant scales: 1 (row, tensor) or H/128 (block128)
+//   [weight_off, +4*K)          f32 router weight of each top-k slot (0 if that slot's expert
+//                               is not on the destination rank)
+//   [expert_off, +4*K)          i32 local expert id of each slot on this rank, else -1
+//   [pos_off, +4*K)             i32 index of this row among the sender's rows for
+//                               (destination rank, that local expert): where it lands
+//   zero padding up to a multiple of 16 bytes
+// Slots keep the token's top-k order, so the receiver can map a slot back to topk_weights[t, k].
+struct DispatchRow {
+  int64_t hidden, num_scales, topk, scale_off, weight_off, expert_off, pos_off, bytes;
+  FP8A2A_HD DispatchRow(int64_t h, int64_t granularity, int64_t k)
+      : hidden(h),
+        num_scales(granularity == kBlock128 ? h / kBlock : 1),
+        topk(k),
+        scale_off(align_up(h, 4)),
+        weight_off(scale_off + 4 * num_scales),
+        expert_off(weight_off + 4 * k),
+        pos_off(expert_off + 4 * k),
+        bytes(align_up(pos_off + 4 * k, 16)) {}
+};
+
+// Combine wire format (expert side -> token side; also dispatch backward):
+//   [0, H*elem)            payload: the row in the activation dtype, or e4m3 when quantized
+//   [scale_off, +4)        f32 row scale, only when quantized
+//   [extra_off, +4*K)      f32 per-slot values (router-weight gradients), only when carried
+//   zero padding up to a multiple of 16 bytes
+struct CombineRow {
+  int64_t hidden, elem, topk, scale_off, extra_off, bytes;
+  FP8A2A_HD CombineRow(int64_t h, int64_t elem_size, bool quantized, int64_t extra_k)
+      : hidden(h),
+        elem(quantized ? 1 : elem_size),
+        topk(extra_k),
+        scale_off(align_up(h * elem, 4)),
+        extra_off(scale_off + (quantized ? 4 : 0)),
+        bytes(align_up(extra_off + 4 * extra_k, 16)) {}
+};
+
+// Per-destination header of the counts exchange (int64 columns), followed by one count per
+// local expert. Carrying hidden/topk/bad-id counts lets every rank detect a mismatch or bad
+// input after the exchange it needs anyway: all ranks raise together, none hangs.
+enum CountsCol : int64_t { kColHidden = 0, kColTopk, kColBadIds, kColRows, kColExperts };
+
+}  // namespace fp8a2a

@@ -1,0 +1,57 @@
+// Op schemas (TORCH_LIBRARY) and the CPU registrations. CUDA kernels register themselves in
+// ops_cuda.cu; fake (meta) implementations for torch.compile / CUDA graphs are in fp8a2a/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+// An importable module with no Python functions: the ops are reached through torch.ops.fp8a2a.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&def);
+}
+
+namespace fp8a2a {
+
+int64_t dispatch_row_bytes(int64_t hidden, int64_t granularity, int64_t topk) {
+  check_granularity(granularity, hidden);
+  return DispatchRow(hidden, granularity, topk).bytes;
+}
+
+int64_t combine_row_bytes(int64_t hidden, int64_t elem_size, bool quantized, int64_t extra_k) {
+  return CombineRow(hidden, elem_size, quantized, extra_k).bytes;
+}
+
+TORCH_LIBRARY(fp8a2a, m) {
+  // granularity: 0 row, 1 block128, 2 tensor. Scales are dequant multipliers (x ~= e4m3 * scale).
+  m.def("quantize(Tensor x, int granularity, Tensor? scale) -> (Tensor data, Tensor scale)");
+  m.def("dequantize(Tensor data, Tensor scale, ScalarType dtype) -> Tensor");
+  // -> send rows [T*min(K,R), DispatchRow.bytes] uint8 ordered by destination rank (only the first
+  //    counts[:, rows].sum() are written), counts [R, 4 + local experts] int64, send_pos [T, R] int32
+  m.def(
+      "dispatch_pack(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
+      "int granularity, Tensor? tensor_scale) -> (Tensor send, Tensor counts, Tensor send_pos)");
+  // -> expert-major data [N, H] e4m3, scale, weights [N], tokens_per_expert, slot_pos [Nr, K], row_src [N]
+  m.def(
+      "dispatch_unpack(Tensor recv, Tensor recv_counts, int hidden, int granularity, int topk, int num_rows) "
+      "-> (Tensor data, Tensor scale, Tensor weights, Tensor tokens_per_expert, Tensor slot_pos, Tensor row_src)");
+  // Expert side: per received row, sum (weighted) of its local experts' outputs -> CombineRow bytes.
+  m.def("combine_pack(Tensor expert_out, Tensor slot_pos, Tensor? weights, Tensor? extra, bool quantize) -> Tensor");
+  // Token side: y[t] = sum over ranks of the rows sent back for t; extra[t, k] likewise.
+  m.def(
+      "combine_unpack(Tensor buf, Tensor send_pos, int hidden, ScalarType dtype, bool quantized, int extra_k) "
+      "-> (Tensor y, Tensor extra)");
+  m.def("dispatch_row_bytes(int hidden, int granularity, int topk) -> int", &dispatch_row_bytes);
+  m.def("combine_row_bytes(int hidden, int elem_size, bool quantized, int extra_k) -> int", &combine_row_bytes);
+}
+
+TORCH_LIBRARY_IMPL(fp8a2a, CPU, m) {
+  m.impl("quantize", &quantize_cpu);
+  m.impl("dequantize", &dequantize_cpu);
+  m.impl("dispatch_pack", &dispatch_pack_cpu);
+  m.impl("dispatch_unpack", &dispatch_unpack_cpu);
+  m.impl("combine_pack", &combine_pack_cpu);
+  m.impl("combine_unpack", &combine_unpack_cpu);
+}
+
+}  // namespace fp8a2a

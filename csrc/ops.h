@@ -1,0 +1,119 @@
+// Declarations of the fp8a2a ops and the input checks both backends share.
+// Schemas and their meaning live in ops.cpp (TORCH_LIBRARY); shapes and bytes in fp8_common.h.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "fp8_common.h"
+
+namespace fp8a2a {
+
+using at::Tensor;
+
+std::tuple<Tensor, Tensor> quantize_cpu(const Tensor& x, int64_t granularity, const std::optional<Tensor>& scale);
+std::tuple<Tensor, Tensor> quantize_cuda(const Tensor& x, int64_t granularity, const std::optional<Tensor>& scale);
+
+Tensor dequantize_cpu(const Tensor& data, const Tensor& scale, at::ScalarType dtype);
+Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType dtype);
+
+std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                                                     int64_t num_experts, int64_t num_ranks, int64_t granularity,
+                                                     const std::optional<Tensor>& tensor_scale);
+std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
+                                                      const std::optional<Tensor>& tensor_scale);
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(const Tensor& recv, const Tensor& recv_counts,
+                                                                               int64_t hidden, int64_t granularity,
+                                                                               int64_t topk, int64_t num_rows);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(const Tensor& recv, const Tensor& recv_counts,
+                                                                                int64_t hidden, int64_t granularity,
+                                                                                int64_t topk, int64_t num_rows);
+
+Tensor combine_pack_cpu(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
+                        const std::optional<Tensor>& extra, bool quantize);
+Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
+                         const std::optional<Tensor>& extra, bool quantize);
+
+std::tuple<Tensor, Tensor> combine_unpack_cpu(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
+                                              at::ScalarType dtype, bool quantized, int64_t extra_k);
+std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
+                                               at::ScalarType dtype, bool quantized, int64_t extra_k);
+
+// ---- checks shared by both backends (clear errors instead of silent corruption) ----
+
+inline void check_activation(const Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2, "fp8a2a: ", name, " must be 2-D [tokens, hidden], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "fp8a2a: ", name, " must be float32, float16 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), "fp8a2a: ", name, " must be contiguous (call .contiguous())");
+}
+
+inline void check_granularity(int64_t granularity, int64_t hidden) {
+  TORCH_CHECK(granularity == kRow || granularity == kBlock128 || granularity == kTensor,
+              "fp8a2a: unknown granularity code ", granularity);
+  TORCH_CHECK(granularity != kBlock128 || hidden % kBlock == 0,
+              "fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden=", hidden,
+              " (use granularity='row')");
+}
+
+inline void check_same_device(const Tensor& a, const Tensor& b, const char* name) {
+  TORCH_CHECK(a.device() == b.device(), "fp8a2a: ", name, " is on ", b.device(), " but the input is on ", a.device());
+}
+
+inline void check_index(const Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.dim() == dim, "fp8a2a: ", name, " must be ", dim, "-D, got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt, "fp8a2a: ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "fp8a2a: ", name, " must be contiguous");
+}
+
+inline void check_f32_vector(const std::optional<Tensor>& t, int64_t n, const Tensor& like, const char* name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kFloat && t->is_contiguous(),
+              "fp8a2a: ", name, " must be a contiguous float32 vector of length ", n, ", got ", t->sizes(), " ",
+              t->scalar_type());
+  check_same_device(like, *t, name);
+}
+
+inline void check_routing(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
+                          int64_t num_ranks) {
+  check_activation(x, "x");
+  TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.size(0) == x.size(0),
+              "fp8a2a: topk_idx must be [tokens, k] with tokens=", x.size(0), ", got ", topk_idx.sizes());
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+              "fp8a2a: topk_idx must be int64 or int32, got ", topk_idx.scalar_type());
+  TORCH_CHECK(topk_weights.sizes() == topk_idx.sizes(), "fp8a2a: topk_weights ", topk_weights.sizes(),
+              " must have the shape of topk_idx ", topk_idx.sizes());
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "fp8a2a: topk_weights must be float32, got ",
+              topk_weights.scalar_type());
+  TORCH_CHECK(topk_idx.is_contiguous() && topk_weights.is_contiguous(), "fp8a2a: topk tensors must be contiguous");
+  TORCH_CHECK(topk_idx.size(1) >= 1, "fp8a2a: top-k must be at least 1");
+  check_same_device(x, topk_idx, "topk_idx");
+  check_same_device(x, topk_weights, "topk_weights");
+  TORCH_CHECK(num_ranks >= 1 && num_experts >= num_ranks && num_experts % num_ranks == 0,
+              "fp8a2a: num_experts (", num_experts, ") must be a positive multiple of the number of ranks (", num_ranks,
+              ")");
+}
+
+inline void check_tensor_scale(const std::optional<Tensor>& scale, const Tensor& x) {
+  TORCH_CHECK(scale.has_value(), "fp8a2a: granularity 'tensor' needs a scale");
+  TORCH_CHECK(scale->numel() == 1 && scale->scalar_type() == at::kFloat,
+              "fp8a2a: the tensor scale must be a one-element float32 tensor, got ", scale->sizes(), " ",
+              scale->scalar_type());
+  check_same_device(x, *scale, "scale");
+}
+
+inline int64_t send_buffer_rows(int64_t tokens, int64_t topk, int64_t num_ranks) {
+  return tokens * std::min(topk, num_ranks);
+}
+
+inline std::vector<int64_t> scale_shape(int64_t rows, int64_t hidden, int64_t granularity) {
+  if (granularity == kRow) return {rows};
+  if (granularity == kBlock128) return {rows, hidden / kBlock};
+  return {};
+}
+
+}  // namespace fp8a2a

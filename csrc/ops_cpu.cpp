@@ -1,0 +1,341 @@
+// CPU implementations of every op. They define the semantics (the CUDA kernels must give the
+// same bytes) and let the whole system run on machines without a GPU.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "ops.h"
+
+namespace fp8a2a {
+namespace {
+
+template <typename T>
+float amax_of(const T* p, int64_t n) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = amax_step(m, static_cast<float>(p[i]));
+  return m;
+}
+
+// Quantizes one row into `out` (H bytes) and `scales` (num_scales floats).
+template <typename T>
+void quantize_row(const T* x, int64_t hidden, int64_t granularity, float tensor_q, float tensor_s, uint8_t* out,
+                  float* scales) {
+  if (granularity == kTensor) {
+    for (int64_t h = 0; h < hidden; ++h) out[h] = e4m3_from_f32(static_cast<float>(x[h]) * tensor_q);
+    scales[0] = tensor_s;
+    return;
+  }
+  const int64_t span = granularity == kRow ? hidden : kBlock;
+  for (int64_t b = 0, j = 0; b < hidden; b += span, ++j) {
+    const float amax = amax_of(x + b, span);
+    const float q = quant_multiplier(amax);
+    for (int64_t h = b; h < b + span; ++h) out[h] = e4m3_from_f32(static_cast<float>(x[h]) * q);
+    scales[j] = dequant_scale(amax);
+  }
+}
+
+// The tensor scale given by the caller is the dequant multiplier s; q = 1 / s (IEEE division).
+std::pair<float, float> tensor_scales(int64_t granularity, const std::optional<Tensor>& scale) {
+  if (granularity != kTensor) return {0.0f, 0.0f};
+  const float s = scale->to(at::kCPU).item<float>();
+  return {1.0f / s, s};
+}
+
+template <typename T>
+void accumulate_row(float* acc, const uint8_t* row, int64_t hidden, float w) {
+  const T* p = reinterpret_cast<const T*>(row);
+  for (int64_t h = 0; h < hidden; ++h) acc[h] += w * static_cast<float>(p[h]);
+}
+
+void accumulate_fp8_row(float* acc, const uint8_t* row, int64_t hidden, float scale, float w) {
+  for (int64_t h = 0; h < hidden; ++h) acc[h] += w * (f32_from_e4m3(row[h]) * scale);
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> quantize_cpu(const Tensor& x, int64_t granularity, const std::optional<Tensor>& scale) {
+  check_activation(x, "x");
+  const int64_t T = x.size(0), H = x.size(1);
+  check_granularity(granularity, H);
+  std::optional<Tensor> s = scale;
+  if (granularity == kTensor) {
+    if (!s.has_value()) {  // one scale for the tensor from its own amax
+      float m = 0.0f;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fp8a2a_amax",
+                                      [&] { m = amax_of(x.data_ptr<scalar_t>(), x.numel()); });
+      s = at::full({}, dequant_scale(m), x.options().dtype(at::kFloat));
+    }
+    check_tensor_scale(s, x);
+  }
+  auto data = at::empty({T, H}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scales = granularity == kTensor ? s->reshape({}).clone()
+                                       : at::empty(scale_shape(T, H, granularity), x.options().dtype(at::kFloat));
+  const auto [tq, ts] = tensor_scales(granularity, s);
+  const int64_t ns = granularity == kBlock128 ? H / kBlock : (granularity == kRow ? 1 : 0);
+  std::vector<float> dummy(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fp8a2a_quantize", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    auto* out = reinterpret_cast<uint8_t*>(data.data_ptr());
+    float* sp = scales.data_ptr<float>();
+    at::parallel_for(0, T, 16, [&](int64_t lo, int64_t hi) {
+      float tensor_slot;
+      for (int64_t t = lo; t < hi; ++t)
+        quantize_row(xp + t * H, H, granularity, tq, ts, out + t * H, ns ? sp + t * ns : &tensor_slot);
+    });
+  });
+  return {data, scales};
+}
+
+Tensor dequantize_cpu(const Tensor& data, const Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kFloat8_e4m3fn && data.is_contiguous(),
+              "fp8a2a: dequantize needs contiguous float8_e4m3fn [tokens, hidden] data, got ", data.sizes(), " ",
+              data.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "fp8a2a: scale must be contiguous float32");
+  const int64_t T = data.size(0), H = data.size(1);
+  int64_t span;  // elements per scale
+  if (scale.dim() == 0) {
+    span = H * std::max<int64_t>(T, 1);
+  } else if (scale.dim() == 1) {
+    TORCH_CHECK(scale.size(0) == T, "fp8a2a: row scale has ", scale.size(0), " entries for ", T, " rows");
+    span = H;
+  } else {
+    TORCH_CHECK(scale.dim() == 2 && scale.size(0) == T && scale.size(1) * kBlock == H,
+                "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
+    span = kBlock;
+  }
+  auto out = at::empty({T, H}, data.options().dtype(dtype));
+  const auto* in = reinterpret_cast<const uint8_t*>(data.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fp8a2a_dequantize", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T * H, 4096, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) op[i] = static_cast<scalar_t>(f32_from_e4m3(in[i]) * sp[i / span]);
+    });
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                                                     int64_t num_experts, int64_t num_ranks, int64_t granularity,
+                                                     const std::optional<Tensor>& tensor_scale) {
+  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks);
+  const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
+  check_granularity(granularity, H);
+  if (granularity == kTensor) check_tensor_scale(tensor_scale, x);
+  const DispatchRow L(H, granularity, K);
+  const auto idx = topk_idx.to(at::kLong);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = topk_weights.data_ptr<float>();
+
+  auto counts = at::zeros({R, kColExperts + El}, x.options().dtype(at::kLong));
+  auto send_pos = at::full({T, R}, -1, x.options().dtype(at::kInt));
+  auto slot_pos = std::vector<int32_t>(T * K, -1);  // index within (rank, local expert)
+  int64_t* cp = counts.data_ptr<int64_t>();
+  int32_t* spos = send_pos.data_ptr<int32_t>();
+  int64_t bad = 0;
+  // Layout pass: tokens in order, so rows for a rank are in token order (the CUDA kernel matches).
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = ip[t * K + k];
+      if (e < 0 || e >= num_experts) {
+        bad += (e != -1);
+        continue;
+      }
+      const int64_t r = e / El;
+      slot_pos[t * K + k] = static_cast<int32_t>(cp[r * (kColExperts + El) + kColExperts + e % El]++);
+      if (spos[t * R + r] < 0) spos[t * R + r] = static_cast<int32_t>(cp[r * (kColExperts + El) + kColRows]++);
+    }
+  }
+  std::vector<int64_t> rank_off(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t* row = cp + r * (kColExperts + El);
+    row[kColHidden] = H;
+    row[kColTopk] = K;
+    row[kColBadIds] = bad;
+    rank_off[r + 1] = rank_off[r] + row[kColRows];
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = 0; r < R; ++r)
+      if (spos[t * R + r] >= 0) spos[t * R + r] += static_cast<int32_t>(rank_off[r]);
+
+  auto send = at::empty({send_buffer_rows(T, K, R), L.bytes}, x.options().dtype(at::kByte));
+  uint8_t* sb = send.data_ptr<uint8_t>();
+  const auto [tq, ts] = tensor_scales(granularity, tensor_scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fp8a2a_dispatch_pack", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t lo, int64_t hi) {
+      std::vector<uint8_t> row(L.bytes);
+      for (int64_t t = lo; t < hi; ++t) {
+        bool any = false;
+        for (int64_t r = 0; r < R; ++r) any |= spos[t * R + r] >= 0;
+        if (!any) continue;
+        std::fill(row.begin(), row.end(), 0);
+        // Each token is read and quantized once, then written once per destination rank.
+        quantize_row(xp + t * H, H, granularity, tq, ts, row.data(), reinterpret_cast<float*>(row.data() + L.scale_off));
+        for (int64_t r = 0; r < R; ++r) {
+          const int32_t s = spos[t * R + r];
+          if (s < 0) continue;
+          auto* w = reinterpret_cast<float*>(row.data() + L.weight_off);
+          auto* ex = reinterpret_cast<int32_t*>(row.data() + L.expert_off);
+          auto* ps = reinterpret_cast<int32_t*>(row.data() + L.pos_off);
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t e = ip[t * K + k];
+            const bool mine = e >= 0 && e < num_experts && e / El == r;
+            w[k] = mine ? wp[t * K + k] : 0.0f;
+            ex[k] = mine ? static_cast<int32_t>(e % El) : -1;
+            ps[k] = mine ? slot_pos[t * K + k] : -1;
+          }
+          std::memcpy(sb + s * L.bytes, row.data(), L.bytes);
+        }
+      }
+    });
+  });
+  return {send, counts, send_pos};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(const Tensor& recv, const Tensor& recv_counts,
+                                                                               int64_t hidden, int64_t granularity,
+                                                                               int64_t topk, int64_t num_rows) {
+  check_granularity(granularity, hidden);
+  const DispatchRow L(hidden, granularity, topk);
+  TORCH_CHECK(recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.size(1) == L.bytes && recv.is_contiguous(),
+              "fp8a2a: received buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", recv.sizes(), " ",
+              recv.scalar_type());
+  TORCH_CHECK(recv_counts.dim() == 2 && recv_counts.scalar_type() == at::kLong && recv_counts.size(1) > kColExperts,
+              "fp8a2a: recv_counts must be int64 [ranks, ", int64_t(kColExperts), " + local experts]");
+  const auto counts = recv_counts.contiguous();
+  const int64_t R = counts.size(0), C = counts.size(1), El = C - kColExperts, Nr = recv.size(0), H = hidden;
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  // Expert-major destination of (source rank r, local expert e): rows of expert e, source ranks in order.
+  std::vector<int64_t> base(R * El), row_start(R + 1, 0);
+  auto tpe = at::zeros({El}, recv.options().dtype(at::kLong));
+  int64_t* tp = tpe.data_ptr<int64_t>();
+  for (int64_t e = 0, off = 0; e < El; ++e) {
+    for (int64_t r = 0; r < R; ++r) {
+      base[r * El + e] = off;
+      off += cp[r * C + kColExperts + e];
+      tp[e] += cp[r * C + kColExperts + e];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) row_start[r + 1] = row_start[r] + cp[r * C + kColRows];
+  int64_t total = 0;
+  for (int64_t e = 0; e < El; ++e) total += tp[e];
+  TORCH_CHECK(row_start[R] == Nr, "fp8a2a: counts announce ", row_start[R], " rows but ", Nr, " were received");
+  TORCH_CHECK(total == num_rows, "fp8a2a: counts announce ", total, " expert rows but num_rows is ", num_rows);
+
+  auto data = at::empty({num_rows, H}, recv.options().dtype(at::kFloat8_e4m3fn));
+  auto scale = at::empty(granularity == kTensor ? std::vector<int64_t>{num_rows} : scale_shape(num_rows, H, granularity),
+                         recv.options().dtype(at::kFloat));
+  auto weights = at::empty({num_rows}, recv.options().dtype(at::kFloat));
+  auto slot_pos = at::empty({Nr, topk}, recv.options().dtype(at::kInt));
+  auto row_src = at::empty({num_rows}, recv.options().dtype(at::kInt));
+  const uint8_t* rb = recv.data_ptr<uint8_t>();
+  auto* dp = reinterpret_cast<uint8_t*>(data.data_ptr());
+  float* sp = scale.data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int32_t* pp = slot_pos.data_ptr<int32_t>();
+  int32_t* rs = row_src.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t i = row_start[r]; i < row_start[r + 1]; ++i) {
+      const uint8_t* row = rb + i * L.bytes;
+      const auto* w = reinterpret_cast<const float*>(row + L.weight_off);
+      const auto* ex = reinterpret_cast<const int32_t*>(row + L.expert_off);
+      const auto* ps = reinterpret_cast<const int32_t*>(row + L.pos_off);
+      for (int64_t k = 0; k < topk; ++k) {
+        pp[i * topk + k] = -1;
+        if (ex[k] < 0) continue;
+        TORCH_CHECK(ex[k] < El && ps[k] >= 0 && ps[k] < cp[r * C + kColExperts + ex[k]],
+                    "fp8a2a: corrupt dispatch row ", i, " from rank ", r, " (expert ", ex[k], ", position ", ps[k], ")");
+        const int64_t n = base[r * El + ex[k]] + ps[k];
+        std::memcpy(dp + n * H, row, H);
+        std::memcpy(sp + n * L.num_scales, row + L.scale_off, 4 * L.num_scales);
+        wp[n] = w[k];
+        rs[n] = static_cast<int32_t>(i);
+        pp[i * topk + k] = static_cast<int32_t>(n);
+      }
+    }
+  }
+  // Tensor granularity keeps one scale per row on the wire too, so the result is uniform;
+  // callers that want the single scale take scale[0].
+  return {data, scale, weights, tpe, slot_pos, row_src};
+}
+
+Tensor combine_pack_cpu(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
+                        const std::optional<Tensor>& extra, bool quantize) {
+  check_activation(expert_out, "expert_out");
+  check_index(slot_pos, 2, "slot_pos");
+  const int64_t N = expert_out.size(0), H = expert_out.size(1), Nr = slot_pos.size(0), K = slot_pos.size(1);
+  check_f32_vector(weights, N, expert_out, "weights");
+  check_f32_vector(extra, N, expert_out, "extra");
+  const CombineRow L(H, expert_out.element_size(), quantize, extra.has_value() ? K : 0);
+  auto buf = at::zeros({Nr, L.bytes}, expert_out.options().dtype(at::kByte));
+  const int32_t* pp = slot_pos.data_ptr<int32_t>();
+  const float* wp = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  const float* xp = extra.has_value() ? extra->data_ptr<float>() : nullptr;
+  uint8_t* bp = buf.data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, expert_out.scalar_type(), "fp8a2a_combine_pack", [&] {
+    const scalar_t* ep = expert_out.data_ptr<scalar_t>();
+    at::parallel_for(0, Nr, 8, [&](int64_t lo, int64_t hi) {
+      std::vector<float> acc(H);
+      for (int64_t i = lo; i < hi; ++i) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        uint8_t* row = bp + i * L.bytes;
+        for (int64_t k = 0; k < K; ++k) {
+          const int32_t n = pp[i * K + k];
+          if (n < 0) continue;
+          TORCH_CHECK(n < N, "fp8a2a: slot_pos entry ", n, " out of range for ", N, " expert rows");
+          const float w = wp ? wp[n] : 1.0f;
+          for (int64_t h = 0; h < H; ++h) acc[h] += w * static_cast<float>(ep[n * H + h]);
+          if (xp) reinterpret_cast<float*>(row + L.extra_off)[k] = xp[n];
+        }
+        if (quantize) {
+          quantize_row(acc.data(), H, kRow, 0.0f, 0.0f, row, reinterpret_cast<float*>(row + L.scale_off));
+        } else {
+          auto* out = reinterpret_cast<scalar_t*>(row);
+          for (int64_t h = 0; h < H; ++h) out[h] = static_cast<scalar_t>(acc[h]);
+        }
+      }
+    });
+  });
+  return buf;
+}
+
+std::tuple<Tensor, Tensor> combine_unpack_cpu(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
+                                              at::ScalarType dtype, bool quantized, int64_t extra_k) {
+  check_index(send_pos, 2, "send_pos");
+  const int64_t T = send_pos.size(0), R = send_pos.size(1), H = hidden;
+  const CombineRow L(H, c10::elementSize(dtype), quantized, extra_k);
+  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.size(1) == L.bytes && buf.is_contiguous(),
+              "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
+  auto y = at::empty({T, H}, buf.options().dtype(dtype));
+  auto extra = at::zeros({T, extra_k}, buf.options().dtype(at::kFloat));
+  const int32_t* sp = send_pos.data_ptr<int32_t>();
+  const uint8_t* bp = buf.data_ptr<uint8_t>();
+  float* xp = extra.data_ptr<float>();
+  const int64_t rows = buf.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fp8a2a_combine_unpack", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t lo, int64_t hi) {
+      std::vector<float> acc(H);
+      for (int64_t t = lo; t < hi; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t r = 0; r < R; ++r) {
+          const int32_t s = sp[t * R + r];
+          if (s < 0) continue;
+          TORCH_CHECK(s < rows, "fp8a2a: send_pos entry ", s, " out of range for ", rows, " rows");
+          const uint8_t* row = bp + s * L.bytes;
+          if (quantized)
+            accumulate_fp8_row(acc.data(), row, H, *reinterpret_cast<const float*>(row + L.scale_off), 1.0f);
+          else
+            accumulate_row<scalar_t>(acc.data(), row, H, 1.0f);
+          for (int64_t k = 0; k < extra_k; ++k) xp[t * extra_k + k] += reinterpret_cast<const float*>(row + L.extra_off)[k];
+        }
+        for (int64_t h = 0; h < H; ++h) yp[t * H + h] = static_cast<scalar_t>(acc[h]);
+      }
+    });
+  });
+  return {y, extra};
+}
+
+}  // namespace fp8a2a

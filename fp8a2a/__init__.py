@@ -1,0 +1,4 @@
+"""fp8a2a: FP8 all-to-all for Mixture-of-Experts dispatch and combine."""
+from .quant import QuantizedTensor, dequantize, quantize, scale_for_tensor
+
+__version__ = "0.1.0"

@@ -1,0 +1,84 @@
+"""Thin Python over the extension: loads fp8a2a._C and gives each op a fake (meta) implementation
+so the ops trace under torch.compile and record into CUDA graphs. Shapes never depend on data:
+the caller passes every data-dependent size (e.g. the number of received expert rows)."""
+import torch
+
+try:
+    from . import _C  # noqa: F401  registers torch.ops.fp8a2a.*
+except ImportError as e:  # pragma: no cover - only without a build
+    raise ImportError(
+        "fp8a2a: the C++ extension fp8a2a._C is not built. Run `pip install --no-build-isolation -e .` "
+        f"in the repository (after installing torch). Original error: {e}") from e
+
+GRANULARITY = {"row": 0, "block128": 1, "tensor": 2}
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+_ops = torch.ops.fp8a2a
+
+
+def granularity_code(granularity: str) -> int:
+    if granularity not in GRANULARITY:
+        raise ValueError(f"fp8a2a: granularity must be one of {sorted(GRANULARITY)}, got {granularity!r}")
+    return GRANULARITY[granularity]
+
+
+def dispatch_row_bytes(hidden: int, granularity: int, topk: int) -> int:
+    return _ops.dispatch_row_bytes(hidden, granularity, topk)
+
+
+def combine_row_bytes(hidden: int, dtype: torch.dtype, quantized: bool, extra_k: int) -> int:
+    return _ops.combine_row_bytes(hidden, dtype.itemsize, quantized, extra_k)
+
+
+def _scale_shape(rows, hidden, granularity):
+    return {0: (rows,), 1: (rows, hidden // BLOCK), 2: ()}[granularity]
+
+
+@torch.library.register_fake("fp8a2a::quantize")
+def _(x, granularity, scale):
+    return x.new_empty(x.shape, dtype=FP8), x.new_empty(_scale_shape(x.shape[0], x.shape[1], granularity),
+                                                        dtype=torch.float32)
+
+
+@torch.library.register_fake("fp8a2a::dequantize")
+def _(data, scale, dtype):
+    return data.new_empty(data.shape, dtype=dtype)
+
+
+@torch.library.register_fake("fp8a2a::dispatch_pack")
+def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale):
+    t, k = topk_idx.shape
+    rows = t * min(k, num_ranks)
+    return (x.new_empty((rows, dispatch_row_bytes(x.shape[1], granularity, k)), dtype=torch.uint8),
+            x.new_empty((num_ranks, 4 + num_experts // num_ranks), dtype=torch.int64),
+            x.new_empty((t, num_ranks), dtype=torch.int32))
+
+
+@torch.library.register_fake("fp8a2a::dispatch_unpack")
+def _(recv, recv_counts, hidden, granularity, topk, num_rows):
+    n, local = num_rows, recv_counts.shape[1] - 4
+    scale_shape = (n,) if granularity == 2 else _scale_shape(n, hidden, granularity)
+    return (recv.new_empty((n, hidden), dtype=FP8), recv.new_empty(scale_shape, dtype=torch.float32),
+            recv.new_empty((n,), dtype=torch.float32), recv.new_empty((local,), dtype=torch.int64),
+            recv.new_empty((recv.shape[0], topk), dtype=torch.int32), recv.new_empty((n,), dtype=torch.int32))
+
+
+@torch.library.register_fake("fp8a2a::combine_pack")
+def _(expert_out, slot_pos, weights, extra, quantize):
+    extra_k = slot_pos.shape[1] if extra is not None else 0
+    return expert_out.new_empty((slot_pos.shape[0], combine_row_bytes(expert_out.shape[1], expert_out.dtype,
+                                                                       quantize, extra_k)), dtype=torch.uint8)
+
+
+@torch.library.register_fake("fp8a2a::combine_unpack")
+def _(buf, send_pos, hidden, dtype, quantized, extra_k):
+    t = send_pos.shape[0]
+    return buf.new_empty((t, hidden), dtype=dtype), buf.new_empty((t, extra_k), dtype=torch.float32)
+
+
+quantize = _ops.quantize
+dequantize = _ops.dequantize
+dispatch_pack = _ops.dispatch_pack
+dispatch_unpack = _ops.dispatch_unpack
+combine_pack = _ops.combine_pack
+combine_unpack = _ops.combine_unpack

@@ -1,0 +1,87 @@
+"""Plain-torch references: what the fused ops compute, written with ordinary torch ops.
+
+Used by the tests (as ground truth) and by the benchmarks (as the eager-torch way a user would
+write it: amax, div, cast, index_select / scatter). Never on the fast path."""
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def _div(a, b):
+    # torch.div on tensors is IEEE-correct; `448.0 / t` is reciprocal-then-multiply.
+    return torch.div(torch.as_tensor(a, dtype=torch.float32, device=b.device).expand_as(b), b)
+
+
+def quantize_reference(x: torch.Tensor, granularity: str = "row", scale: torch.Tensor | None = None):
+    """(data e4m3, dequant scale) by the rule of csrc/fp8_common.h."""
+    xf = x.float()
+    t, h = xf.shape
+    if granularity == "tensor":
+        if scale is None:
+            amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+            scale = torch.where(amax == 0, torch.ones_like(amax), _div(amax, torch.full_like(amax, 448.0)))
+        scale = scale.reshape(()).float()
+        return (xf * _div(1.0, scale)).to(FP8), scale
+    blocks = xf.view(t, h // 128, 128) if granularity == "block128" else xf.view(t, 1, h)
+    amax = blocks.abs().amax(dim=-1)  # propagates NaN
+    zero = amax == 0
+    q = torch.where(zero, torch.ones_like(amax), _div(448.0, amax))
+    s = torch.where(zero, torch.ones_like(amax), torch.div(amax, torch.full_like(amax, 448.0)))
+    data = (blocks * q.unsqueeze(-1)).to(FP8).view(t, h)
+    return data, (s.view(t) if granularity == "row" else s)
+
+
+def dequantize_reference(data, scale, dtype=torch.float32):
+    t, h = data.shape
+    df = data.float()
+    if scale.dim() == 2:
+        df = (df.view(t, -1, 128) * scale.unsqueeze(-1)).view(t, h)
+    else:
+        df = df * (scale.unsqueeze(-1) if scale.dim() == 1 else scale)
+    return df.to(dtype)
+
+
+def route_reference(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """Per-destination-rank token lists of the send side, in token order: {rank: [token ids]}."""
+    per_rank = num_experts // num_ranks
+    out = {r: [] for r in range(num_ranks)}
+    for t, row in enumerate(topk_idx.tolist()):
+        for r in sorted({e // per_rank for e in row if 0 <= e < num_experts}):
+            out[r].append(t)
+    return out
+
+
+def expert_major_reference(xs, topk_idxs, topk_weights, rank: int, num_experts: int, num_ranks: int):
+    """What rank `rank` must receive, from every source rank's (x, topk_idx, topk_weights):
+    rows grouped by local expert, source ranks in order, tokens in order within a source.
+    Returns (rows [N, H] float64, weights [N], tokens_per_expert, (src, token, k) per row)."""
+    per_rank = num_experts // num_ranks
+    rows, weights, origin, tpe = [], [], [], []
+    for le in range(per_rank):
+        e = rank * per_rank + le
+        n = 0
+        for src, (x, idx, w) in enumerate(zip(xs, topk_idxs, topk_weights)):
+            for t in range(idx.shape[0]):
+                for k in range(idx.shape[1]):
+                    if int(idx[t, k]) == e:
+                        rows.append(x[t].double())
+                        weights.append(float(w[t, k]))
+                        origin.append((src, t, k))
+                        n += 1
+        tpe.append(n)
+    h = xs[0].shape[1]
+    stacked = torch.stack(rows) if rows else torch.zeros(0, h, dtype=torch.float64)
+    return stacked, torch.tensor(weights, dtype=torch.float64), torch.tensor(tpe), origin
+
+
+def moe_reference(x, topk_idx, topk_weights, expert_fn, apply_weights=True):
+    """y[t] = sum_k w[t,k] * expert_fn(e, x[t]) in float64: the combine a dispatcher must reproduce."""
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k])
+            if e < 0:
+                continue
+            w = float(topk_weights[t, k]) if apply_weights else 1.0
+            y[t] += w * expert_fn(e, x[t].double())
+    return y
