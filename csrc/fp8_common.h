@@ -17,7 +17,9 @@ namespace fp8a2a {
 constexpr float kE4M3Max = 448.0f;
 constexpr int kBlock = 128;  // block128 granularity
 
-enum Granularity : int64_t { kRow = 0, kBlock128 = 1, kTensor = 2 };
+// kRaw sends the activation's own bytes unquantized (x passed as a uint8 [T, H * elem] view):
+// the lossless path for small messages and for BF16 gradients in the dispatch direction.
+enum Granularity : int64_t { kRow = 0, kBlock128 = 1, kTensor = 2, kRaw = 3 };
 
 FP8A2A_HD uint32_t f32_bits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -84,8 +86,8 @@ FP8A2A_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 // Dispatch wire format: one row = one token for one destination rank, H e4m3 bytes followed by
 // everything the receiver needs, so a single uint8 all_to_all_single carries it all.
-//   [0, H)                      e4m3 payload
-//   [scale_off, +4*num_scales)  f32 dequant scales: 1 (row, tensor) or H/128 (block128)
+//   [0, H)                      e4m3 payload (raw: H bytes of the activation, H = hidden * elem)
+//   [scale_off, +4*num_scales)  f32 dequant scales: 1 (row, tensor), H/128 (block128), 0 (raw)
 //   [weight_off, +4*K)          f32 router weight of each top-k slot (0 if that slot's expert
 //                               is not on the destination rank)
 //   [expert_off, +4*K)          i32 local expert id of each slot on this rank, else -1
@@ -97,7 +99,7 @@ struct DispatchRow {
   int64_t hidden, num_scales, topk, scale_off, weight_off, expert_off, pos_off, bytes;
   FP8A2A_HD DispatchRow(int64_t h, int64_t granularity, int64_t k)
       : hidden(h),
-        num_scales(granularity == kBlock128 ? h / kBlock : 1),
+        num_scales(granularity == kBlock128 ? h / kBlock : (granularity == kRaw ? 0 : 1)),
         topk(k),
         scale_off(align_up(h, 4)),
         weight_off(scale_off + 4 * num_scales),

@@ -53,7 +53,7 @@ inline void check_activation(const Tensor& x, const char* name) {
 }
 
 inline void check_granularity(int64_t granularity, int64_t hidden) {
-  TORCH_CHECK(granularity == kRow || granularity == kBlock128 || granularity == kTensor,
+  TORCH_CHECK(granularity == kRow || granularity == kBlock128 || granularity == kTensor || granularity == kRaw,
               "fp8a2a: unknown granularity code ", granularity);
   TORCH_CHECK(granularity != kBlock128 || hidden % kBlock == 0,
               "fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden=", hidden,
@@ -79,8 +79,13 @@ inline void check_f32_vector(const std::optional<Tensor>& t, int64_t n, const Te
 }
 
 inline void check_routing(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
-                          int64_t num_ranks) {
-  check_activation(x, "x");
+                          int64_t num_ranks, int64_t granularity) {
+  if (granularity == kRaw) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kByte && x.is_contiguous(),
+                "fp8a2a: raw dispatch takes the activation as a contiguous uint8 [tokens, bytes] view");
+  } else {
+    check_activation(x, "x");
+  }
   TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.size(0) == x.size(0),
               "fp8a2a: topk_idx must be [tokens, k] with tokens=", x.size(0), ", got ", topk_idx.sizes());
   TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
@@ -113,6 +118,7 @@ inline int64_t send_buffer_rows(int64_t tokens, int64_t topk, int64_t num_ranks)
 inline std::vector<int64_t> scale_shape(int64_t rows, int64_t hidden, int64_t granularity) {
   if (granularity == kRow) return {rows};
   if (granularity == kBlock128) return {rows, hidden / kBlock};
+  if (granularity == kRaw) return {0};
   return {};
 }
 

@@ -58,6 +58,7 @@ std::tuple<Tensor, Tensor> quantize_cpu(const Tensor& x, int64_t granularity, co
   check_activation(x, "x");
   const int64_t T = x.size(0), H = x.size(1);
   check_granularity(granularity, H);
+  TORCH_CHECK(granularity != kRaw, "fp8a2a: quantize takes granularity row, block128 or tensor");
   std::optional<Tensor> s = scale;
   if (granularity == kTensor) {
     if (!s.has_value()) {  // one scale for the tensor from its own amax
@@ -119,7 +120,7 @@ Tensor dequantize_cpu(const Tensor& data, const Tensor& scale, at::ScalarType dt
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
                                                      const std::optional<Tensor>& tensor_scale) {
-  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks);
+  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
   check_granularity(granularity, H);
   if (granularity == kTensor) check_tensor_scale(tensor_scale, x);
@@ -162,7 +163,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tens
   auto send = at::empty({send_buffer_rows(T, K, R), L.bytes}, x.options().dtype(at::kByte));
   uint8_t* sb = send.data_ptr<uint8_t>();
   const auto [tq, ts] = tensor_scales(granularity, tensor_scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fp8a2a_dispatch_pack", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND3(at::kHalf, at::kBFloat16, at::kByte, x.scalar_type(), "fp8a2a_dispatch_pack", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     at::parallel_for(0, T, 8, [&](int64_t lo, int64_t hi) {
       std::vector<uint8_t> row(L.bytes);
@@ -172,7 +173,10 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tens
         if (!any) continue;
         std::fill(row.begin(), row.end(), 0);
         // Each token is read and quantized once, then written once per destination rank.
-        quantize_row(xp + t * H, H, granularity, tq, ts, row.data(), reinterpret_cast<float*>(row.data() + L.scale_off));
+        if (granularity == kRaw)
+          std::memcpy(row.data(), xp + t * H, H);
+        else
+          quantize_row(xp + t * H, H, granularity, tq, ts, row.data(), reinterpret_cast<float*>(row.data() + L.scale_off));
         for (int64_t r = 0; r < R; ++r) {
           const int32_t s = spos[t * R + r];
           if (s < 0) continue;
@@ -224,7 +228,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
   TORCH_CHECK(row_start[R] == Nr, "fp8a2a: counts announce ", row_start[R], " rows but ", Nr, " were received");
   TORCH_CHECK(total == num_rows, "fp8a2a: counts announce ", total, " expert rows but num_rows is ", num_rows);
 
-  auto data = at::empty({num_rows, H}, recv.options().dtype(at::kFloat8_e4m3fn));
+  auto data = at::empty({num_rows, H}, recv.options().dtype(granularity == kRaw ? at::kByte : at::kFloat8_e4m3fn));
   auto scale = at::empty(granularity == kTensor ? std::vector<int64_t>{num_rows} : scale_shape(num_rows, H, granularity),
                          recv.options().dtype(at::kFloat));
   auto weights = at::empty({num_rows}, recv.options().dtype(at::kFloat));

@@ -11,6 +11,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         f"in the repository (after installing torch). Original error: {e}") from e
 
 GRANULARITY = {"row": 0, "block128": 1, "tensor": 2}
+RAW = 3  # unquantized bytes on the wire (BF16 fallback, BF16 gradients)
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
@@ -31,7 +32,7 @@ def combine_row_bytes(hidden: int, dtype: torch.dtype, quantized: bool, extra_k:
 
 
 def _scale_shape(rows, hidden, granularity):
-    return {0: (rows,), 1: (rows, hidden // BLOCK), 2: ()}[granularity]
+    return {0: (rows,), 1: (rows, hidden // BLOCK), 2: (), 3: (0,)}[granularity]
 
 
 @torch.library.register_fake("fp8a2a::quantize")
@@ -58,7 +59,7 @@ def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_sca
 def _(recv, recv_counts, hidden, granularity, topk, num_rows):
     n, local = num_rows, recv_counts.shape[1] - 4
     scale_shape = (n,) if granularity == 2 else _scale_shape(n, hidden, granularity)
-    return (recv.new_empty((n, hidden), dtype=FP8), recv.new_empty(scale_shape, dtype=torch.float32),
+    return (recv.new_empty((n, hidden), dtype=torch.uint8 if granularity == RAW else FP8), recv.new_empty(scale_shape, dtype=torch.float32),
             recv.new_empty((n,), dtype=torch.float32), recv.new_empty((local,), dtype=torch.int64),
             recv.new_empty((recv.shape[0], topk), dtype=torch.int32), recv.new_empty((n,), dtype=torch.int32))
 

@@ -1,0 +1,285 @@
+"""Expert-parallel dispatch and combine: one uint8 all_to_all_single per direction, with autograd.
+
+Dispatch (forward):  dispatch_pack -> all_to_all(counts) -> one host sync -> all_to_all(rows)
+                     -> dispatch_unpack.  Rows carry FP8 payload, scales and routing together.
+Combine (forward):   combine_pack (sum of a token's local experts, weighted) -> all_to_all
+                     -> combine_unpack (sum over ranks).
+Backward reuses the same machinery in the other direction: dispatch backward is a combine of
+the row gradients (BF16 by default) that also carries the router-weight gradients; combine
+backward is a dispatch of dy (FP8 by default) over the cached layout, with no counts exchange.
+"""
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .quant import QuantizedTensor, dequantize
+
+# Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
+# exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
+# accuracy. Override per Dispatcher (bf16_below_bytes=0 forces FP8).
+DEFAULT_BF16_BELOW_BYTES = 64 * 1024
+
+_HIDDEN, _TOPK, _BAD, _ROWS, _EXPERTS = range(5)  # counts header columns (csrc/fp8_common.h)
+
+
+def _group_info(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("fp8a2a: a process group was given but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass
+class DispatchHandle:
+    """What combine and the backward passes need; opaque to callers."""
+    dispatcher: "Dispatcher"
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor  # float32, detached (only its layout is reused)
+    send_pos: torch.Tensor  # [T, R] int32: send row of token t for rank r, or -1
+    slot_pos: torch.Tensor = None  # [Nr, K] int32: expert-major row of each received slot, or -1
+    recv_counts: torch.Tensor = None  # [R, 4 + local experts] int64 (device)
+    send_splits: List[int] = field(default_factory=list)
+    recv_splits: List[int] = field(default_factory=list)
+    num_rows: int = 0  # expert-major rows N
+    hidden: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    wire: int = 0  # granularity code on the wire (ops.RAW when sent unquantized)
+    tokens_per_expert_list: List[int] = field(default_factory=list)  # host copy, no extra sync
+    weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
+    tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
+
+
+@dataclass
+class DispatchOutput:
+    tokens: Union[QuantizedTensor, torch.Tensor]  # expert-major rows; a plain tensor when sent in BF16
+    tokens_per_expert: torch.Tensor  # int64 [num_local_experts]
+    weights: torch.Tensor  # float32 [N]
+    handle: DispatchHandle
+
+    def dequantized(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        if isinstance(self.tokens, QuantizedTensor):
+            return dequantize(self.tokens, dtype)
+        return self.tokens.to(dtype)
+
+
+class Dispatcher:
+    """FP8 token dispatch/combine for expert parallelism over `group` (default: the world).
+
+    num_experts:            global number of experts, a multiple of the group size
+    granularity:            'row' (default), 'block128' or 'tensor' (one scale agreed by all
+                            ranks: the caller's `tensor_scale`, else an all-reduce of amax)
+    fp8_combine:            send combine forward in FP8 too (lossy; default BF16)
+    fp8_dispatch_backward:  send dispatch backward in FP8 too (lossy; default BF16)
+    bf16_below_bytes:       size policy: smaller inputs are dispatched unquantized
+    """
+
+    def __init__(self, num_experts: int, group=None, granularity: str = "row", *, fp8_combine: bool = False,
+                 fp8_dispatch_backward: bool = False, bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES,
+                 tensor_scale: Optional[torch.Tensor] = None):
+        self.group = group
+        self.rank, self.world = _group_info(group)
+        self.granularity = granularity
+        self.code = ops.granularity_code(granularity)
+        if num_experts < 1 or num_experts % self.world:
+            raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the group size "
+                             f"{self.world}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.world
+        self.fp8_combine = fp8_combine
+        self.fp8_dispatch_backward = fp8_dispatch_backward
+        self.bf16_below_bytes = bf16_below_bytes
+        self.tensor_scale = tensor_scale
+        if self.world > 1:
+            self._check_agreement()
+
+    def _check_agreement(self):
+        # Once per Dispatcher, not per call: every rank must agree on the expert count and format,
+        # or the per-call exchanges would have mismatched sizes (a hang, not an error).
+        mine = torch.tensor([self.num_experts, self.code], dtype=torch.int64, device=self._device())
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        every = torch.stack(every).cpu().tolist()
+        if any(v != every[0] for v in every):
+            raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code): {every}")
+
+    def _device(self):
+        backend = dist.get_backend(self.group)
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    # ---- the two collectives -------------------------------------------------------------
+
+    def _exchange(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
+        if self.world == 1:
+            return send[: send_splits[0]]
+        recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+        dist.all_to_all_single(recv, send[: sum(send_splits)], recv_splits, send_splits, group=self.group)
+        return recv
+
+    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return counts
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        return recv
+
+    # ---- public API ------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
+        """Send each token (once per destination rank) to the ranks of its top-k experts.
+
+        x [T, H] float; topk_idx int [T, K] (-1 = not routed); topk_weights [T, K]."""
+        if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"fp8a2a: expected x [T, H] and topk_idx [T, K], got {tuple(x.shape)} and "
+                             f"{tuple(topk_idx.shape)}")
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"fp8a2a: topk_weights {tuple(topk_weights.shape)} must match topk_idx "
+                             f"{tuple(topk_idx.shape)}")
+        handle = DispatchHandle(self, topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
+                                send_pos=None, hidden=x.shape[1], dtype=x.dtype)
+        rows, weights, data, scale, tpe = _DispatchFn.apply(x, topk_weights, handle)
+        handle.weights = weights
+        if handle.wire == ops.RAW:
+            tokens = rows
+        else:
+            if self.code == ops.GRANULARITY["tensor"]:
+                scale = handle.tensor_scale
+            tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=rows if rows.requires_grad else None)
+        return DispatchOutput(tokens, tpe, weights, handle)
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, apply_weights: bool = True) -> torch.Tensor:
+        """y [T, H] in x.dtype: sum over k of weight * expert row (apply_weights=False: unweighted)."""
+        if expert_out.dim() != 2 or expert_out.shape != (handle.num_rows, handle.hidden):
+            raise ValueError(f"fp8a2a: expert_out must be [{handle.num_rows}, {handle.hidden}] (the dispatched rows), "
+                             f"got {tuple(expert_out.shape)}")
+        weights = handle.weights if apply_weights else None
+        return _CombineFn.apply(expert_out.to(handle.dtype), weights, handle)
+
+    # ---- pieces used by the autograd functions ---------------------------------------------
+
+    def _tensor_scale(self, x):
+        if self.tensor_scale is not None:
+            return self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        if self.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return torch.where(amax == 0, torch.ones_like(amax), torch.div(amax, torch.full_like(amax, 448.0)))
+
+    def _pack(self, x, handle, wire, tensor_scale=None):
+        xin = x.detach().contiguous()
+        if wire == ops.RAW:
+            xin = xin.view(torch.uint8)
+        return ops.dispatch_pack(xin, handle.topk_idx, handle.topk_weights, self.num_experts, self.world, wire,
+                                 tensor_scale)
+
+    def _forward(self, x, handle):
+        elem = x.element_size()
+        local = ops.RAW if x.numel() * elem < self.bf16_below_bytes else self.code
+        scale = self._tensor_scale(x) if self.code == ops.GRANULARITY["tensor"] else None
+        handle.tensor_scale = scale
+        send, counts, send_pos = self._pack(x, handle, local, scale)
+        recv_counts = self._exchange_counts(counts)
+        # The one host sync of a dispatch: what we send and what we receive, in one copy.
+        host = (torch.cat([counts, recv_counts]) if self.world > 1 else counts).cpu()
+        mine, theirs = host[: self.world], host[-self.world:]
+        wire = self._agree_on_wire(theirs, x.shape[1], elem)
+        if wire != local:  # this rank was under the size threshold but others were not
+            send, counts, send_pos = self._pack(x, handle, wire, scale)
+        handle.wire, handle.send_pos, handle.recv_counts = wire, send_pos, recv_counts
+        handle.send_splits = mine[:, _ROWS].tolist()
+        handle.recv_splits = theirs[:, _ROWS].tolist()
+        per_expert = theirs[:, _EXPERTS:].sum(0)
+        handle.tokens_per_expert_list = per_expert.tolist()
+        handle.num_rows = int(per_expert.sum())
+        recv = self._exchange(send, handle.send_splits, handle.recv_splits)
+        hidden = x.shape[1] * elem if wire == ops.RAW else x.shape[1]
+        data, scale_rows, weights, tpe, slot_pos, _ = ops.dispatch_unpack(
+            recv, recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1], handle.num_rows)
+        handle.slot_pos = slot_pos
+        return data, scale_rows, weights, tpe
+
+    def _agree_on_wire(self, headers, hidden, elem):
+        """Check every rank's header (all ranks see all headers, so all raise together) and agree
+        on one wire format: FP8 if any rank packed FP8 (the size policy is local)."""
+        bad = headers[:, _BAD]
+        if bad.any():
+            raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "
+                             f"{bad.nonzero().flatten().tolist()} ({bad.tolist()} ids)")
+        topks = headers[:, _TOPK].tolist()
+        if len(set(topks)) != 1:
+            raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
+        sizes = headers[:, _HIDDEN].tolist()
+        raw = [s == hidden * elem and s != hidden for s in sizes]
+        ok = [s == hidden or r for s, r in zip(sizes, raw)]
+        if not all(ok):
+            raise ValueError(f"fp8a2a: ranks use different hidden sizes (bytes per row): {sizes}, this rank {hidden}")
+        return ops.RAW if all(raw) else self.code
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, handle):
+        d = handle.dispatcher
+        data, scale, weights, tpe = d._forward(x, handle)
+        ctx.handle = handle
+        ctx.x_dtype = x.dtype
+        n, h = handle.num_rows, handle.hidden
+        if handle.wire == ops.RAW:
+            rows = data.view(x.dtype).view(n, h)
+            placeholder = data.new_empty(0)
+            ctx.mark_non_differentiable(placeholder, scale, tpe)
+            return rows, weights, placeholder, scale, tpe
+        anchor = x.new_zeros(()).expand(n, h)  # gradient carrier of the FP8 rows (no memory)
+        ctx.mark_non_differentiable(data, scale, tpe)
+        return anchor, weights, data, scale, tpe
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights, *_):
+        h = ctx.handle
+        d = h.dispatcher
+        want_w = ctx.needs_input_grad[1] and grad_weights is not None
+        if grad_rows is None:
+            grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=ctx.x_dtype, device=h.send_pos.device)
+        extra = grad_weights.float().contiguous() if want_w else None
+        quant = d.fp8_dispatch_backward
+        buf = ops.combine_pack(grad_rows.to(ctx.x_dtype).contiguous(), h.slot_pos, None, extra, quant)
+        back = d._exchange(buf, h.recv_splits, h.send_splits)
+        gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, ctx.x_dtype, quant, h.topk_idx.shape[1] if want_w else 0)
+        return gx, (gw if want_w else None), None
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, handle):
+        d = handle.dispatcher
+        buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else weights.detach(),
+                               None, d.fp8_combine)
+        back = d._exchange(buf, handle.recv_splits, handle.send_splits)
+        y, _ = ops.combine_unpack(back, handle.send_pos, handle.hidden, handle.dtype, d.fp8_combine, 0)
+        ctx.handle = handle
+        ctx.save_for_backward(expert_out if weights is not None else None, weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        h = ctx.handle
+        d = h.dispatcher
+        expert_out, weights = ctx.saved_tensors
+        # Combine backward moves dy to the experts: a dispatch over the cached layout (FP8 unless
+        # the forward dispatch went unquantized), no counts exchange, no host sync.
+        wire = ops.RAW if h.wire == ops.RAW else ops.GRANULARITY["row"]
+        send, _, _ = d._pack(grad_y, h, wire)
+        recv = d._exchange(send, h.send_splits, h.recv_splits)
+        hidden = h.hidden * grad_y.element_size() if wire == ops.RAW else h.hidden
+        data, scale, _, _, _, _ = ops.dispatch_unpack(recv, h.recv_counts.to(recv.device), hidden, wire,
+                                                      h.topk_idx.shape[1], h.num_rows)
+        g = data.view(h.dtype).view(h.num_rows, h.hidden).float() if wire == ops.RAW else \
+            ops.dequantize(data, scale, torch.float32)
+        if weights is None:
+            return g.to(h.dtype), None, None
+        grad_out = (g * weights.detach().unsqueeze(1)).to(h.dtype)
+        grad_w = (g * expert_out.float()).sum(1) if ctx.needs_input_grad[1] else None
+        return grad_out, grad_w, None
