@@ -127,6 +127,7 @@ struct CombineRow {
 // Per-destination header of the counts exchange (int64 columns), followed by one count per
 // local expert. Carrying hidden/topk/bad-id counts lets every rank detect a mismatch or bad
 // input after the exchange it needs anyway: all ranks raise together, none hangs.
-enum CountsCol : int64_t { kColHidden = 0, kColTopk, kColBadIds, kColRows, kColExperts };
+// kColWire is the granularity code the sender packed with (ranks agree on one before sending rows).
+enum CountsCol : int64_t { kColHidden = 0, kColTopk, kColBadIds, kColWire, kColRows, kColExperts };
 
 }  // namespace fp8a2a

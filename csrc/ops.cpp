@@ -27,7 +27,7 @@ TORCH_LIBRARY(fp8a2a, m) {
   m.def("quantize(Tensor x, int granularity, Tensor? scale) -> (Tensor data, Tensor scale)");
   m.def("dequantize(Tensor data, Tensor scale, ScalarType dtype) -> Tensor");
   // -> send rows [T*min(K,R), DispatchRow.bytes] uint8 ordered by destination rank (only the first
-  //    counts[:, rows].sum() are written), counts [R, 4 + local experts] int64, send_pos [T, R] int32
+  //    counts[:, rows].sum() are written), counts [R, 5 + local experts] int64, send_pos [T, R] int32
   m.def(
       "dispatch_pack(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
       "int granularity, Tensor? tensor_scale) -> (Tensor send, Tensor counts, Tensor send_pos)");

@@ -154,6 +154,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tens
     row[kColHidden] = H;
     row[kColTopk] = K;
     row[kColBadIds] = bad;
+    row[kColWire] = granularity;
     rank_off[r + 1] = rank_off[r] + row[kColRows];
   }
   for (int64_t t = 0; t < T; ++t)

@@ -22,7 +22,6 @@ from .quant import QuantizedTensor, dequantize
 # accuracy. Override per Dispatcher (bf16_below_bytes=0 forces FP8).
 DEFAULT_BF16_BELOW_BYTES = 64 * 1024
 
-_HIDDEN, _TOPK, _BAD, _ROWS, _EXPERTS = range(5)  # counts header columns (csrc/fp8_common.h)
 
 
 def _group_info(group):
@@ -189,9 +188,9 @@ class Dispatcher:
         if wire != local:  # this rank was under the size threshold but others were not
             send, counts, send_pos = self._pack(x, handle, wire, scale)
         handle.wire, handle.send_pos, handle.recv_counts = wire, send_pos, recv_counts
-        handle.send_splits = mine[:, _ROWS].tolist()
-        handle.recv_splits = theirs[:, _ROWS].tolist()
-        per_expert = theirs[:, _EXPERTS:].sum(0)
+        handle.send_splits = mine[:, ops.ROWS].tolist()
+        handle.recv_splits = theirs[:, ops.ROWS].tolist()
+        per_expert = theirs[:, ops.COUNTS_HEADER:].sum(0)
         handle.tokens_per_expert_list = per_expert.tolist()
         handle.num_rows = int(per_expert.sum())
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
@@ -204,18 +203,18 @@ class Dispatcher:
     def _agree_on_wire(self, headers, hidden, elem):
         """Check every rank's header (all ranks see all headers, so all raise together) and agree
         on one wire format: FP8 if any rank packed FP8 (the size policy is local)."""
-        bad = headers[:, _BAD]
+        bad = headers[:, ops.BAD_IDS]
         if bad.any():
             raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "
                              f"{bad.nonzero().flatten().tolist()} ({bad.tolist()} ids)")
-        topks = headers[:, _TOPK].tolist()
+        topks = headers[:, ops.TOPK].tolist()
         if len(set(topks)) != 1:
             raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
-        sizes = headers[:, _HIDDEN].tolist()
-        raw = [s == hidden * elem and s != hidden for s in sizes]
-        ok = [s == hidden or r for s, r in zip(sizes, raw)]
-        if not all(ok):
-            raise ValueError(f"fp8a2a: ranks use different hidden sizes (bytes per row): {sizes}, this rank {hidden}")
+        wires = headers[:, ops.WIRE].tolist()
+        sizes = [s // elem if w == ops.RAW else s for s, w in zip(headers[:, ops.HIDDEN].tolist(), wires)]
+        if any(s != hidden for s in sizes):
+            raise ValueError(f"fp8a2a: ranks use different hidden sizes: {sizes} (this rank: {hidden})")
+        raw = [w == ops.RAW for w in wires]
         return ops.RAW if all(raw) else self.code
 
 

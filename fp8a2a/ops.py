@@ -13,6 +13,9 @@ except ImportError as e:  # pragma: no cover - only without a build
 GRANULARITY = {"row": 0, "block128": 1, "tensor": 2}
 RAW = 3  # unquantized bytes on the wire (BF16 fallback, BF16 gradients)
 BLOCK = 128
+# Columns of the counts exchange (csrc/fp8_common.h CountsCol), then one per local expert.
+HIDDEN, TOPK, BAD_IDS, WIRE, ROWS = range(5)
+COUNTS_HEADER = 5
 FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
 
@@ -51,13 +54,13 @@ def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_sca
     t, k = topk_idx.shape
     rows = t * min(k, num_ranks)
     return (x.new_empty((rows, dispatch_row_bytes(x.shape[1], granularity, k)), dtype=torch.uint8),
-            x.new_empty((num_ranks, 4 + num_experts // num_ranks), dtype=torch.int64),
+            x.new_empty((num_ranks, COUNTS_HEADER + num_experts // num_ranks), dtype=torch.int64),
             x.new_empty((t, num_ranks), dtype=torch.int32))
 
 
 @torch.library.register_fake("fp8a2a::dispatch_unpack")
 def _(recv, recv_counts, hidden, granularity, topk, num_rows):
-    n, local = num_rows, recv_counts.shape[1] - 4
+    n, local = num_rows, recv_counts.shape[1] - COUNTS_HEADER
     scale_shape = (n,) if granularity == 2 else _scale_shape(n, hidden, granularity)
     return (recv.new_empty((n, hidden), dtype=torch.uint8 if granularity == RAW else FP8), recv.new_empty(scale_shape, dtype=torch.float32),
             recv.new_empty((n,), dtype=torch.float32), recv.new_empty((local,), dtype=torch.int64),

@@ -1,0 +1,218 @@
+"""Dispatch and combine over 1, 2 and 4 gloo ranks against plain-torch float64 references.
+
+Each rank regenerates every rank's inputs from one seed, so it can compute what it must receive
+(exact FP8 bytes, order, weights, counts) and what combine and the gradients must give."""
+import pytest
+import torch
+
+import fp8a2a
+from fp8a2a.reference import dequantize_reference, expert_major_reference, quantize_reference
+
+from .distributed import run_ranks
+
+
+def make_inputs(world, tokens, hidden, num_experts, topk, dtype, routing="uniform", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs, idxs, ws = [], [], []
+    per_rank = num_experts // world
+    for r in range(world):
+        t = tokens[r] if isinstance(tokens, (list, tuple)) else tokens
+        x = (torch.randn(t, hidden, generator=g) * torch.rand(t, 1, generator=g) * 4).to(dtype)
+        pool = {"uniform": num_experts, "one_rank": per_rank}[routing.replace("skewed", "uniform")]
+        idx = torch.stack([torch.randperm(pool, generator=g)[:topk] for _ in range(t)]) if t else \
+            torch.zeros(0, topk, dtype=torch.long)
+        if routing == "skewed" and t:
+            idx[:, 0] = 0
+            idx[:, 1:] = torch.where(idx[:, 1:] == 0, (idx[:, 1:] + 1) % num_experts, idx[:, 1:])
+        if t > 2 and topk > 1:
+            idx[1, -1] = -1  # a slot that is not routed
+        w = torch.rand(t, topk, generator=g)
+        xs.append(x), idxs.append(idx), ws.append(w)
+    return xs, idxs, ws
+
+
+def quantized_view(xs, granularity, wire_raw):
+    """What the experts see of each source rank's tokens."""
+    if wire_raw:
+        return [x.double() for x in xs]
+    scale = None
+    if granularity == "tensor":
+        amax = max((x.float().abs().amax() for x in xs if x.numel()), default=torch.tensor(0.0))
+        scale = torch.div(amax, torch.tensor(448.0))
+    return [dequantize_reference(*quantize_reference(x, granularity, scale), torch.float64) for x in xs]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def scenario(rank, world, cfg):
+    E, K, H, dtype = cfg["experts"], cfg["topk"], cfg["hidden"], cfg.get("dtype", torch.bfloat16)
+    gran = cfg.get("granularity", "row")
+    raw = cfg.get("raw", False)
+    xs, idxs, ws = make_inputs(world, cfg["tokens"], H, E, K, dtype, cfg.get("routing", "uniform"))
+    d = fp8a2a.Dispatcher(E, granularity=gran, bf16_below_bytes=(1 << 40) if raw else 0,
+                          fp8_combine=cfg.get("fp8_combine", False),
+                          fp8_dispatch_backward=cfg.get("fp8_dispatch_backward", False))
+    x = xs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    out = d.dispatch(x, idxs[rank], w)
+
+    # Dispatch: exact rows (the reference quantization of each source token), order, weights, counts.
+    views = quantized_view(xs, gran, raw)
+    rows_ref, w_ref, tpe_ref, origin = expert_major_reference(views, idxs, ws, rank, E, world)
+    assert out.tokens_per_expert.tolist() == tpe_ref.tolist()
+    assert isinstance(out.tokens, torch.Tensor) == raw
+    rows = out.dequantized(torch.float64 if raw else torch.float32)
+    assert torch.equal(rows.double(), rows_ref.to(rows.dtype).double()), "dispatched rows differ from the reference"
+    assert torch.equal(out.weights.double(), w_ref)
+
+    # Experts: expert e scales its rows by (e + 1); combine; loss = <y, G>.
+    local = torch.repeat_interleave(torch.arange(d.num_local_experts), out.tokens_per_expert)
+    factor = (rank * d.num_local_experts + local + 1).to(rows.dtype).unsqueeze(1)
+    y = d.combine((rows * factor).to(dtype), out.handle)
+    G = torch.randn(y.shape, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
+    (y.float() * G.float()).sum().backward()
+
+    # float64 references on this rank's tokens (straight-through for the quantization).
+    xq, idx, wr = views[rank], idxs[rank], ws[rank].double()
+    valid = idx >= 0
+    f = torch.where(valid, idx + 1, 0).double()  # expert factor per slot, 0 if not routed
+    y_ref = ((wr * f).sum(1, keepdim=True) * xq)
+    gx_ref = (wr * f).sum(1, keepdim=True) * G.double()
+    gw_ref = f * (G.double() * xq).sum(1, keepdim=True)
+    if y.numel():
+        tol_y = 0.05 if cfg.get("fp8_combine") else 0.01
+        tol_gx = 0.01 if raw and not cfg.get("fp8_dispatch_backward") else 0.06
+        assert rel(y, y_ref) < tol_y, rel(y, y_ref)
+        assert rel(x.grad, gx_ref) < tol_gx, rel(x.grad, gx_ref)
+        assert rel(w.grad, gw_ref) < (0.01 if raw else 0.08), rel(w.grad, gw_ref)
+        assert torch.all(w.grad[~valid] == 0)
+    else:
+        assert y.shape == (0, H) and x.grad.shape == (0, H)
+    return out.handle.num_rows
+
+
+BASE = dict(experts=8, topk=2, hidden=256, tokens=24)
+CASES = {
+    "uniform": {},
+    "k1": dict(topk=1),
+    "k8_e16": dict(topk=8, experts=16),
+    "skewed": dict(routing="skewed"),
+    "hidden7168": dict(hidden=7168, tokens=6),
+    "hidden200_row": dict(hidden=200),
+    "block128": dict(granularity="block128"),
+    "tensor": dict(granularity="tensor"),
+    "fp16": dict(dtype=torch.float16),
+    "fp32": dict(dtype=torch.float32),
+    "bf16_fallback": dict(raw=True),
+    "fp8_combine": dict(fp8_combine=True),
+    "fp8_dispatch_backward": dict(fp8_dispatch_backward=True),
+    "empty_rank": dict(tokens=[24, 0, 24, 24]),
+    "receives_nothing": dict(routing="one_rank"),  # every expert lives on rank 0
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_dispatch_combine(world, name):
+    cfg = {**BASE, **CASES[name]}
+    if isinstance(cfg["tokens"], list):
+        cfg["tokens"] = cfg["tokens"][:world]
+    rows = run_ranks(world, scenario, cfg)
+    if name == "receives_nothing":
+        assert rows[1:] == [0] * (world - 1)
+
+
+@pytest.mark.parametrize("name", ["uniform", "k8_e16", "block128", "tensor", "bf16_fallback"])
+def test_single_process(name):
+    """World size 1 without torch.distributed (the path the GPU benchmarks take)."""
+    scenario(0, 1, {**BASE, **CASES[name]})
+
+
+def test_mixed_sizes_agree_on_one_wire_format():
+    # Rank 1 is under the BF16 threshold, rank 0 is not: both must send FP8.
+    def fn(rank, world):
+        xs, idxs, ws = make_inputs(world, [64, 2], 256, 8, 2, torch.bfloat16)
+        d = fp8a2a.Dispatcher(8, bf16_below_bytes=10_000)
+        out = d.dispatch(xs[rank], idxs[rank], ws[rank])
+        assert isinstance(out.tokens, fp8a2a.QuantizedTensor)
+        y = d.combine(out.dequantized(), out.handle)
+        return y.shape[0]
+    assert run_ranks(2, fn) == [64, 2]
+
+
+def _expect_error_everywhere(fn, world=2):
+    def wrapped(rank, world):
+        try:
+            fn(rank, world)
+        except (ValueError, RuntimeError) as e:
+            return str(e)
+        return None
+    msgs = run_ranks(world, wrapped)
+    assert all(m is not None for m in msgs), msgs
+    return msgs
+
+
+def test_bad_expert_ids_raise_on_every_rank():
+    def fn(rank, world):
+        xs, idxs, ws = make_inputs(world, 8, 64, 8, 2, torch.bfloat16)
+        if rank == 1:
+            idxs[1][3, 0] = 8  # out of range on one rank only
+        fp8a2a.Dispatcher(8, bf16_below_bytes=0).dispatch(xs[rank], idxs[rank], ws[rank])
+    assert all("expert ids outside" in m for m in _expect_error_everywhere(fn))
+
+
+def test_hidden_mismatch_raises_on_every_rank():
+    def fn(rank, world):
+        x = torch.randn(8, 64 if rank == 0 else 128, dtype=torch.bfloat16)
+        idx = torch.randint(0, 8, (8, 2))
+        fp8a2a.Dispatcher(8, bf16_below_bytes=0).dispatch(x, idx, torch.rand(8, 2))
+    assert all("hidden" in m for m in _expect_error_everywhere(fn))
+
+
+def test_num_experts_mismatch_raises_on_every_rank():
+    def fn(rank, world):
+        fp8a2a.Dispatcher(8 if rank == 0 else 16)
+    assert all("disagree" in m for m in _expect_error_everywhere(fn))
+
+
+def test_wrong_group_and_bad_shapes():
+    with pytest.raises(ValueError, match="not initialized"):
+        fp8a2a.Dispatcher(8, group=object())
+    with pytest.raises(ValueError, match="multiple"):
+        fp8a2a.Dispatcher(0)
+    d = fp8a2a.Dispatcher(8)
+    with pytest.raises(ValueError, match="topk_weights"):
+        d.dispatch(torch.randn(4, 16), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 3))
+    with pytest.raises(ValueError):
+        d.dispatch(torch.randn(4, 16), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
+    with pytest.raises(RuntimeError, match="block128"):
+        fp8a2a.Dispatcher(8, granularity="block128", bf16_below_bytes=0).dispatch(
+            torch.randn(4, 200), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
+    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
+        d2 = fp8a2a.Dispatcher(8, bf16_below_bytes=0)
+        d2.dispatch(torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
+    out = d.dispatch(torch.randn(4, 16), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
+    with pytest.raises(ValueError, match="expert_out"):
+        d.combine(torch.randn(3, 16), out.handle)
+
+
+def test_one_copy_per_destination_rank():
+    """A token routed to several experts of one rank crosses the wire once."""
+    d = fp8a2a.Dispatcher(8, bf16_below_bytes=0)
+    idx = torch.tensor([[0, 1, 2, 3]])  # four experts, one rank (world size 1)
+    out = d.dispatch(torch.randn(1, 32), idx, torch.rand(1, 4))
+    assert out.handle.send_splits == [1] and out.handle.num_rows == 4
+
+
+def test_dispatch_is_deterministic_and_nan_rows_stay_nan():
+    x = torch.randn(16, 128)
+    x[3, 5] = float("nan")
+    idx = torch.randint(0, 8, (16, 2))
+    d = fp8a2a.Dispatcher(8, bf16_below_bytes=0)
+    a, b = d.dispatch(x, idx, torch.rand(16, 2)), d.dispatch(x, idx, torch.rand(16, 2))
+    assert torch.equal(a.tokens.data.view(torch.uint8), b.tokens.data.view(torch.uint8))
+    rows = a.dequantized(torch.float32)
+    nan_rows = rows.isnan().any(1)
+    assert nan_rows.sum() == 2 and rows[nan_rows].isnan().all()  # token 3's two rows, all NaN
