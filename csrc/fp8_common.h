@@ -40,14 +40,14 @@ FP8A2A_HD float bits_f32(uint32_t u) {
 #endif
 }
 
-// fp32 -> e4m3fn, round-to-nearest-even, saturating to +-448, NaN kept.
+// fp32 -> e4m3fn, round-to-nearest-even, saturating to +-448, NaN -> 0x7f.
 // Same result as torch's own `.to(torch.float8_e4m3fn)` (which saturates in torch >= 2.13)
 // on every input, including the values that torch < 2.13 turned into NaN.
 FP8A2A_HD uint8_t e4m3_from_f32(float f) {
   uint32_t bits = f32_bits(f);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   bits &= 0x7fffffffu;
-  if (bits > 0x7f800000u) return sign | 0x7fu;           // NaN
+  if (bits > 0x7f800000u) return 0x7fu;                  // NaN (canonical, as torch's cast gives)
   if (bits >= 0x43e00000u) return sign | 0x7eu;          // >= 448 (inf too): saturate
   if (bits < (121u << 23)) {                             // below 2^-6: subnormal e4m3
     // Adding 2^-9 * 2^? aligns the mantissa so the FPU rounds to nearest even for us.

@@ -1,0 +1,297 @@
+"""Triton kernels of the expert GEMM (fp8a2a.experts). Imported lazily: CPU machines need no Triton.
+
+- grouped_mm: out[m] = sa[m] * (A[m] @ B[e(m)]^T) * sb[e(m)], rows grouped by expert through int32
+  cumulative row ends (offs). A fp8 or bf16; sa none, per row [M] or per 128-block [M, K/128]
+  (block scales are applied per K step: block128 input is consumed as it is); sb none or [E, N].
+  B is given by strides, so the same kernel does the forward ([E, N, K] weights), the bf16 dgrad
+  (W read transposed) and the fp8 dgrad (a [E, K, N] copy).
+- grouped_wgrad: out[e] = G_e^T @ (sx * X_e): the weight gradient, consuming the saved FP8 input and
+  its scales directly (no BF16 copy of the input).
+- act_quant: activation (swiglu / gelu / relu / identity) * router weight, then e4m3 per row with the
+  package's scale rule (amax / 448, IEEE divisions): one kernel, two passes over the row.
+- act_bwd: the activation's backward and the router-weight gradient in one kernel.
+"""
+import torch
+import triton
+import triton.language as tl
+
+ACT_CODE = {"identity": 0, "swiglu": 1, "gelu": 2, "relu": 3}
+_FP8_DOT = None  # whether tl.dot takes e4m3 on this device (sm_89+)
+
+
+def _fp8_dot(device) -> bool:
+    global _FP8_DOT
+    if _FP8_DOT is None:
+        _FP8_DOT = torch.cuda.get_device_capability(device) >= (8, 9)
+    return _FP8_DOT
+
+
+def _mm_configs():
+    cfg = []
+    for bm, bn, bk, w, s in [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),
+                             (64, 128, 128, 4, 4), (128, 256, 64, 8, 3)]:
+        cfg.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s))
+    return cfg
+
+
+@triton.autotune(configs=_mm_configs(), key=["N", "K", "E", "A_SCALE", "B_SCALE", "UPCAST"])
+@triton.jit
+def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, M, N, K, E,
+                       s_am, s_ak, s_be, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbe,
+                       A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    num_m = tl.cdiv(M, BM) + E  # upper bound on the row tiles of all experts
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % group) % size_m
+    tile_n = (pid % group) // size_m
+    # which expert owns row tile `tile_m` (tiles never straddle two experts)
+    prev = tl.zeros([], tl.int32)
+    seen = tl.zeros([], tl.int32)
+    e_sel = tl.full([], -1, tl.int32)
+    row0 = tl.zeros([], tl.int32)
+    row_end = tl.zeros([], tl.int32)
+    for e in range(E):
+        end = tl.load(offs_ptr + e)
+        nt = tl.cdiv(end - prev, BM)
+        hit = (tile_m >= seen) & (tile_m < seen + nt)
+        e_sel = tl.where(hit, e, e_sel)
+        row0 = tl.where(hit, prev + (tile_m - seen) * BM, row0)
+        row_end = tl.where(hit, end, row_end)
+        seen += nt
+        prev = end
+    if e_sel < 0:
+        return
+    rm = row0 + tl.arange(0, BM)
+    rn = tile_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < row_end
+    n_ok = rn < N
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * s_am + rk[None, :] * s_ak
+    b_ptrs = b_ptr + e_sel.to(tl.int64) * s_be + rn.to(tl.int64)[None, :] * s_bn + rk[:, None] * s_bk
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + rk) < K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.bfloat16)
+            b = b.to(tl.bfloat16)
+        if A_SCALE == 2:
+            sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    if A_SCALE == 1:
+        sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam, mask=m_ok, other=0.0)
+        acc = acc * sa[:, None]
+    if B_SCALE:
+        sb = tl.load(sb_ptr + e_sel.to(tl.int64) * s_sbe + rn, mask=n_ok, other=0.0)
+        acc = acc * sb[None, :]
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def grouped_mm(a, b, offs, sa=None, sb=None, b_strides=None, n=None):
+    """out [M, N] bf16 = sa * (a @ b[e]^T) * sb per expert group. b: [E, N, K] tensor, or any storage
+    with b_strides=(s_e, s_n, s_k) and n=N given. sa: None, [M] (or stride-0 view) or [M, K/128]."""
+    M, K = a.shape
+    E = offs.shape[0]
+    if b_strides is None:
+        assert b.dim() == 3 and b.shape[2] == K
+        n, b_strides = b.shape[1], b.stride()
+    out = torch.empty((M, n), device=a.device, dtype=torch.bfloat16)
+    if M == 0 or n == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    a_scale = 0 if sa is None else (2 if sa.dim() == 2 else 1)
+    sa_ = sa if sa is not None else out
+    s_sam, s_sak = (sa.stride(0), sa.stride(1) if sa.dim() == 2 else 0) if sa is not None else (0, 0)
+    upcast = a.dtype == torch.float8_e4m3fn and not _fp8_dot(a.device)
+    grid = lambda meta: ((triton.cdiv(M, meta["BM"]) + E) * triton.cdiv(n, meta["BN"]),)  # noqa: E731
+    _grouped_mm_kernel[grid](a, b, out, sa_, sb if sb is not None else out, offs, M, n, K, E,
+                             a.stride(0), a.stride(1), *b_strides, out.stride(0), out.stride(1),
+                             s_sam, s_sak, sb.stride(0) if sb is not None else 0,
+                             A_SCALE=a_scale, B_SCALE=sb is not None, UPCAST=upcast)
+    return out
+
+
+def _wgrad_configs():
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in [(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4),
+                                     (32, 128, 128, 4, 4)]]
+
+
+@triton.autotune(configs=_wgrad_configs(), key=["N", "K", "E", "X_SCALE"])
+@triton.jit
+def _grouped_wgrad_kernel(g_ptr, x_ptr, sx_ptr, offs_ptr, out_ptr, N, K, E,
+                          s_gm, s_gn, s_xm, s_xk, s_sxm, s_sxk, s_oe, s_on, s_ok,
+                          X_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    num_k = tl.cdiv(K, BK)
+    tile_n = pid // num_k
+    tile_k = pid % num_k
+    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(offs_ptr + e)
+    rn = tile_n * BN + tl.arange(0, BN)
+    rk = tile_k * BK + tl.arange(0, BK)
+    n_ok = rn < N
+    k_ok = rk < K
+    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    for m0 in range(start, end, BM):
+        rm = m0 + tl.arange(0, BM)
+        m_ok = rm < end
+        rm64 = rm.to(tl.int64)
+        g = tl.load(g_ptr + rm64[:, None] * s_gm + rn[None, :] * s_gn, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + rm64[:, None] * s_xm + rk[None, :] * s_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if X_SCALE == 1:
+            s = tl.load(sx_ptr + rm64 * s_sxm, mask=m_ok, other=0.0)
+            x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        elif X_SCALE == 2:
+            s = tl.load(sx_ptr + rm64 * s_sxm + ((tile_k * BK) // 128) * s_sxk, mask=m_ok, other=0.0)
+            x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        else:
+            x = x.to(tl.bfloat16)
+        acc = tl.dot(tl.trans(g.to(tl.bfloat16)), x, acc)
+    o = out_ptr + e.to(tl.int64) * s_oe + rn.to(tl.int64)[:, None] * s_on + rk[None, :] * s_ok
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+def grouped_wgrad(g, x, offs, sx=None, out_dtype=torch.bfloat16):
+    """out [E, N, K] = per expert e: g_e^T @ (sx * x_e); g [M, N] bf16, x [M, K] fp8 or bf16,
+    sx None, [M] (or stride-0 view) or [M, K/128]. Experts without rows get zeros."""
+    M, N = g.shape
+    K = x.shape[1]
+    E = offs.shape[0]
+    out = torch.empty((E, N, K), device=g.device, dtype=out_dtype)
+    if M == 0 or E == 0:
+        return out.zero_()
+    x_scale = 0 if sx is None else (2 if sx.dim() == 2 else 1)
+    s_sxm, s_sxk = (sx.stride(0), sx.stride(1) if sx.dim() == 2 else 0) if sx is not None else (0, 0)
+    grid = lambda meta: (triton.cdiv(N, meta["BN"]) * triton.cdiv(K, meta["BK"]), E)  # noqa: E731
+    _grouped_wgrad_kernel[grid](g, x, sx if sx is not None else g, offs, out, N, K, E,
+                                g.stride(0), g.stride(1), x.stride(0), x.stride(1), s_sxm, s_sxk,
+                                *out.stride(), X_SCALE=x_scale)
+    return out
+
+
+@triton.jit
+def _act(g, u, ACT: tl.constexpr):
+    if ACT == 1:
+        return g / (1.0 + tl.exp(-g)) * u
+    elif ACT == 2:
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    elif ACT == 3:
+        return tl.maximum(g, 0.0)
+    else:
+        return g
+
+
+@triton.jit
+def _act_quant_kernel(z_ptr, w_ptr, q_ptr, s_ptr, F, s_z, s_q,
+                      ACT: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    zr = z_ptr + row * s_z
+    qr = q_ptr + row * s_q
+    w = 1.0
+    if HAS_W:
+        w = tl.load(w_ptr + row).to(tl.float32)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, F, BLOCK):
+        c = off + tl.arange(0, BLOCK)
+        ok = c < F
+        g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
+        u = g
+        if ACT == 1:
+            u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
+        h = _act(g, u, ACT) * w
+        amax = tl.maximum(amax, tl.where(ok, tl.abs(h), 0.0))
+    a = tl.max(amax, axis=0)
+    zero = a == 0.0
+    a1 = tl.where(zero, 1.0, a)
+    qmul = tl.where(zero, 1.0, tl.math.div_rn(448.0, a1))
+    scale = tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
+    for off in range(0, F, BLOCK):
+        c = off + tl.arange(0, BLOCK)
+        ok = c < F
+        g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
+        u = g
+        if ACT == 1:
+            u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
+        h = _act(g, u, ACT) * w
+        tl.store(qr + c, (h * qmul).to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+def _block(f):
+    return max(128, min(4096, triton.next_power_of_2(max(f, 1))))
+
+
+def act_quant(z, w, act):
+    """(data e4m3 [M, F], scale f32 [M]) of act(z) * w per row; F = z.shape[1] // 2 for swiglu."""
+    M = z.shape[0]
+    F = z.shape[1] // 2 if act == "swiglu" else z.shape[1]
+    assert z.stride(1) == 1
+    data = torch.empty((M, F), device=z.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((M,), device=z.device, dtype=torch.float32)
+    if M:
+        blk = _block(F)
+        _act_quant_kernel[(M,)](z, w if w is not None else scale, data, scale, F, z.stride(0), data.stride(0),
+                                ACT=ACT_CODE[act], HAS_W=w is not None, BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
+    return data, scale
+
+
+@triton.jit
+def _act_bwd_kernel(z_ptr, dh_ptr, w_ptr, dz_ptr, dw_ptr, F, s_z, s_dh, s_dz,
+                    ACT: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    zr = z_ptr + row * s_z
+    dzr = dz_ptr + row * s_dz
+    w = 1.0
+    if HAS_W:
+        w = tl.load(w_ptr + row).to(tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, F, BLOCK):
+        c = off + tl.arange(0, BLOCK)
+        ok = c < F
+        g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + row * s_dh + c, mask=ok, other=0.0).to(tl.float32)
+        if ACT == 1:
+            u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
+            sg = 1.0 / (1.0 + tl.exp(-g))
+            silu = g * sg
+            tl.store(dzr + c, (dh * w * u * sg * (1.0 + g * (1.0 - sg))).to(dz_ptr.dtype.element_ty), mask=ok)
+            tl.store(dzr + F + c, (dh * w * silu).to(dz_ptr.dtype.element_ty), mask=ok)
+            acc += dh * silu * u
+        elif ACT == 2:
+            cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+            pdf = tl.exp(-0.5 * g * g) * 0.3989422804014327
+            tl.store(dzr + c, (dh * w * (cdf + g * pdf)).to(dz_ptr.dtype.element_ty), mask=ok)
+            acc += dh * g * cdf
+        else:
+            tl.store(dzr + c, tl.where(g > 0.0, dh * w, 0.0).to(dz_ptr.dtype.element_ty), mask=ok)
+            acc += dh * tl.maximum(g, 0.0)
+    if HAS_W:
+        tl.store(dw_ptr + row, tl.sum(acc, axis=0))
+
+
+def act_bwd(z, dh, w, act):
+    """(dz like z, dw f32 [M] or None) for h = act(z) * w."""
+    M = z.shape[0]
+    F = dh.shape[1]
+    dh = dh if dh.stride(1) == 1 else dh.contiguous()
+    dz = torch.empty_like(z)
+    dw = torch.empty((M,), device=z.device, dtype=torch.float32) if w is not None else None
+    if M:
+        blk = _block(F)
+        _act_bwd_kernel[(M,)](z, dh, w if w is not None else dz, dz, dw if dw is not None else dz, F,
+                              z.stride(0), dh.stride(0), dz.stride(0), ACT=ACT_CODE[act], HAS_W=w is not None,
+                              BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
+    return dz, dw
