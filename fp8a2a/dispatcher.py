@@ -74,20 +74,28 @@ class Dispatcher:
     fp8_combine:            send combine forward in FP8 too (lossy; default BF16)
     fp8_dispatch_backward:  send dispatch backward in FP8 too (lossy; default BF16)
     bf16_below_bytes:       size policy: smaller inputs are dispatched unquantized
+    expert_tp_size:         expert tensor parallelism: `group` is then the TP-EP group (rank =
+                            ep_rank * expert_tp_size + tp_rank, Megatron's order) and every TP
+                            rank of an expert's EP rank receives its tokens (the FP8 all-gather)
+                            and returns a partial output that combine sums (the reduce-scatter)
     """
 
     def __init__(self, num_experts: int, group=None, granularity: str = "row", *, fp8_combine: bool = False,
                  fp8_dispatch_backward: bool = False, bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES,
-                 tensor_scale: Optional[torch.Tensor] = None):
+                 tensor_scale: Optional[torch.Tensor] = None, expert_tp_size: int = 1):
         self.group = group
         self.rank, self.world = _group_info(group)
         self.granularity = granularity
         self.code = ops.granularity_code(granularity)
-        if num_experts < 1 or num_experts % self.world:
-            raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the group size "
-                             f"{self.world}")
+        if expert_tp_size < 1 or self.world % expert_tp_size:
+            raise ValueError(f"fp8a2a: expert_tp_size={expert_tp_size} must divide the group size {self.world}")
+        self.tp = expert_tp_size
+        ep = self.world // expert_tp_size
+        if num_experts < 1 or num_experts % ep:
+            raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the expert-parallel "
+                             f"size {ep}")
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.world
+        self.num_local_experts = num_experts // ep
         self.fp8_combine = fp8_combine
         self.fp8_dispatch_backward = fp8_dispatch_backward
         self.bf16_below_bytes = bf16_below_bytes
@@ -98,12 +106,12 @@ class Dispatcher:
     def _check_agreement(self):
         # Once per Dispatcher, not per call: every rank must agree on the expert count and format,
         # or the per-call exchanges would have mismatched sizes (a hang, not an error).
-        mine = torch.tensor([self.num_experts, self.code], dtype=torch.int64, device=self._device())
+        mine = torch.tensor([self.num_experts, self.code, self.tp], dtype=torch.int64, device=self._device())
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         every = torch.stack(every).cpu().tolist()
         if any(v != every[0] for v in every):
-            raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code): {every}")
+            raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code, expert_tp_size): {every}")
 
     def _device(self):
         backend = dist.get_backend(self.group)
@@ -137,6 +145,8 @@ class Dispatcher:
         if topk_weights.shape != topk_idx.shape:
             raise ValueError(f"fp8a2a: topk_weights {tuple(topk_weights.shape)} must match topk_idx "
                              f"{tuple(topk_idx.shape)}")
+        if self.tp > 1:
+            topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
         handle = DispatchHandle(self, topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
                                 send_pos=None, hidden=x.shape[1], dtype=x.dtype)
         rows, weights, data, scale, tpe = _DispatchFn.apply(x, topk_weights, handle)
@@ -159,6 +169,19 @@ class Dispatcher:
 
     # ---- pieces used by the autograd functions ---------------------------------------------
 
+    def _replicate_over_tp(self, topk_idx, topk_weights):
+        """Expert TP as routing: expert e becomes one virtual expert on each TP rank of its EP rank,
+        so the ops see tp * E experts over the whole TP-EP group and need nothing special.
+        The weight copies are autograd views: their gradients sum back into topk_weights."""
+        el, tp = self.num_local_experts, self.tp
+        e = topk_idx.long().unsqueeze(-1)
+        j = torch.arange(tp, device=e.device)
+        virtual = ((e // el) * tp + j) * el + e % el
+        valid = (e >= 0) & (e < self.num_experts)
+        bad = torch.where(e == -1, -1, self.num_experts * tp)  # keep bad ids bad, -1 unrouted
+        idx = torch.where(valid, virtual, bad).flatten(1)
+        return idx, topk_weights.unsqueeze(-1).expand(*topk_weights.shape, tp).flatten(1)
+
     def _tensor_scale(self, x):
         if self.tensor_scale is not None:
             return self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
@@ -171,8 +194,8 @@ class Dispatcher:
         xin = x.detach().contiguous()
         if wire == ops.RAW:
             xin = xin.view(torch.uint8)
-        return ops.dispatch_pack(xin, handle.topk_idx, handle.topk_weights, self.num_experts, self.world, wire,
-                                 tensor_scale)
+        return ops.dispatch_pack(xin, handle.topk_idx, handle.topk_weights, self.num_experts * self.tp, self.world,
+                                 wire, tensor_scale)
 
     def _forward(self, x, handle):
         elem = x.element_size()

@@ -53,23 +53,28 @@ def scenario(rank, world, cfg):
     xs, idxs, ws = make_inputs(world, cfg["tokens"], H, E, K, dtype, cfg.get("routing", "uniform"))
     d = fp8a2a.Dispatcher(E, granularity=gran, bf16_below_bytes=(1 << 40) if raw else 0,
                           fp8_combine=cfg.get("fp8_combine", False),
-                          fp8_dispatch_backward=cfg.get("fp8_dispatch_backward", False))
+                          fp8_dispatch_backward=cfg.get("fp8_dispatch_backward", False),
+                          expert_tp_size=cfg.get("tp", 1))
+    tp = d.tp
+    ep_rank, tp_rank = divmod(rank, tp)  # TP-EP group order: tp fastest
     x = xs[rank].clone().requires_grad_()
     w = ws[rank].clone().requires_grad_()
     out = d.dispatch(x, idxs[rank], w)
 
     # Dispatch: exact rows (the reference quantization of each source token), order, weights, counts.
     views = quantized_view(xs, gran, raw)
-    rows_ref, w_ref, tpe_ref, origin = expert_major_reference(views, idxs, ws, rank, E, world)
+    rows_ref, w_ref, tpe_ref, origin = expert_major_reference(views, idxs, ws, ep_rank, E, world // tp)
     assert out.tokens_per_expert.tolist() == tpe_ref.tolist()
     assert isinstance(out.tokens, torch.Tensor) == raw
     rows = out.dequantized(torch.float64 if raw else torch.float32)
     assert torch.equal(rows.double(), rows_ref.to(rows.dtype).double()), "dispatched rows differ from the reference"
     assert torch.equal(out.weights.double(), w_ref)
 
-    # Experts: expert e scales its rows by (e + 1); combine; loss = <y, G>.
+    # Experts: expert e scales its rows by (e + 1); combine; loss = <y, G>. With expert TP each TP
+    # rank returns a partial (shares (j + 1) / sum(1..tp)) that combine must sum.
     local = torch.repeat_interleave(torch.arange(d.num_local_experts), out.tokens_per_expert)
-    factor = (rank * d.num_local_experts + local + 1).to(rows.dtype).unsqueeze(1)
+    share = 2.0 * (tp_rank + 1) / (tp * (tp + 1))
+    factor = ((ep_rank * d.num_local_experts + local + 1) * share).to(rows.dtype).unsqueeze(1)
     y = d.combine((rows * factor).to(dtype), out.handle)
     G = torch.randn(y.shape, generator=torch.Generator().manual_seed(100 + rank)).to(dtype)
     (y.float() * G.float()).sum().backward()
@@ -110,6 +115,8 @@ CASES = {
     "fp8_dispatch_backward": dict(fp8_dispatch_backward=True),
     "empty_rank": dict(tokens=[24, 0, 24, 24]),
     "receives_nothing": dict(routing="one_rank"),  # every expert lives on rank 0
+    "expert_tp2": dict(tp=2),
+    "expert_tp2_block128": dict(tp=2, granularity="block128", topk=4),
 }
 
 
@@ -122,6 +129,8 @@ def test_dispatch_combine(world, name):
     rows = run_ranks(world, scenario, cfg)
     if name == "receives_nothing":
         assert rows[1:] == [0] * (world - 1)
+    if name.startswith("expert_tp"):
+        assert rows[0::2] == rows[1::2]  # both TP ranks of an EP rank receive the same rows
 
 
 @pytest.mark.parametrize("name", ["uniform", "k8_e16", "block128", "tensor", "bf16_fallback"])

@@ -1,0 +1,438 @@
+"""Expert GEMMs that consume FP8 rows: grouped_linear and FP8GroupedMLP (public API, see DESIGN.md).
+
+Layout. Rows are expert-major, as the dispatcher delivers them: expert e owns rows
+offs[e-1]:offs[e], offs = cumsum(tokens_per_expert). Weights are [E, out, in], one nn.Linear per
+expert: FP8GroupedMLP.fc1_weight is [E, 2*ffn, hidden] for swiglu (rows :ffn the gate, ffn: the up
+projection, Megatron's chunk order; h = silu(gate) * up) or [E, ffn, hidden] for gelu / relu, and
+fc2_weight is [E, hidden, ffn]. Outputs are bf16, rows in the input's order.
+
+Numerics. Forward: y = (s_x * x_fp8) @ (s_w * w_fp8)^T with fp32 accumulation and both scales
+applied inside the GEMM; w_fp8 is the BF16 master weight quantized per output channel, cached on the
+weight and refreshed only when the weight changes (its version counter or storage). Between fc1 and
+fc2 one kernel computes act(z) * router_weight and quantizes it per row for fc2. Backward is
+straight-through for every quantization: dX = dY @ W on the BF16 master weights (fp8_dgrad=True:
+dY quantized per row, W per input channel, FP8 GEMM), dW = dY^T @ x_hat in BF16 where x_hat is
+rebuilt from the saved FP8 rows and scales: no BF16 copy of any GEMM input is saved.
+
+Backends (backend=..., 'auto' picks the first that fits):
+- 'scaled_grouped_mm': torch._scaled_grouped_mm (CUDA sm_90+, row scales; a block128 input is
+  converted to row scales first, see _block_to_row), torch._grouped_mm or Triton for the BF16
+  backward GEMMs, the Triton kernels for activation + quantization. A shape the op refuses falls
+  back to 'triton' for that call (warned once).
+- 'triton': fp8a2a.triton_kernels, a grouped GEMM with a row- or block128-scale epilogue (block128
+  input consumed as it is) and a weight-gradient kernel that reads the FP8 input directly.
+- 'reference': dequantize and loop over experts in fp32 (any device; the CPU path).
+"""
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .quant import QuantizedTensor
+from .reference import dequantize_reference, quantize_reference
+
+FP8 = torch.float8_e4m3fn
+BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
+ACTIVATIONS = ("swiglu", "gelu", "relu")
+_SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
+
+
+@functools.lru_cache(None)
+def _tk():
+    """fp8a2a.triton_kernels, or None where Triton is missing (CPU machines)."""
+    try:
+        from . import triton_kernels
+        return triton_kernels
+    except ImportError:
+        return None
+
+
+def _triton_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda and _tk() is not None
+
+
+def resolve_backend(backend: str, device: torch.device, granularity: str = "row") -> str:
+    """The backend that runs on `device` for input of `granularity` (see the module docstring)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8a2a: backend must be one of {BACKENDS}, got {backend!r}")
+    cuda = torch.device(device).type == "cuda"
+    if backend == "auto":
+        if not cuda:
+            return "reference"
+        if granularity == "block128" and _tk() is not None:
+            return "triton"  # consumes block scales as they are; _scaled_grouped_mm would need a conversion
+        if hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0):
+            return "scaled_grouped_mm"
+        return "triton" if _tk() is not None else "reference"
+    if backend != "reference" and not cuda:
+        raise ValueError(f"fp8a2a: backend {backend!r} needs CUDA tensors; use 'reference' (or 'auto') on {device}")
+    if backend == "triton" and _tk() is None:
+        raise ImportError("fp8a2a: backend 'triton' needs the triton package")
+    if backend == "scaled_grouped_mm" and not hasattr(torch, "_scaled_grouped_mm"):
+        raise RuntimeError(f"fp8a2a: torch {torch.__version__} has no torch._scaled_grouped_mm; use 'triton'")
+    return backend
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    backend: str
+    fp8_dgrad: bool = False
+    fast_accum: bool = False
+    activation: str = "swiglu"
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _dequant(xq, xs, dtype=torch.float32):
+    return dequantize_reference(xq, xs, dtype)
+
+
+def _quant_rows(x):
+    """(e4m3 [M, K], scale [M]) of a float [M, K] by the package rule; one Triton kernel on CUDA."""
+    if _triton_ok(x) and x.stride(-1) == 1:
+        return _tk().act_quant(x, None, "identity")
+    return quantize_reference(x.contiguous(), "row")
+
+
+def _weight_version(w):
+    try:
+        return w._version
+    except RuntimeError:  # inference tensors carry no version counter: never cache
+        return None
+
+
+def fp8_weight(weight: torch.Tensor, transposed: bool = False):
+    """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
+    transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
+    weight tensor; recomputed when the weight's version counter or storage changes."""
+    ver = _weight_version(weight)
+    key = (transposed, ver, weight.data_ptr(), weight.device, tuple(weight.shape))
+    cache = weight.__dict__.get("_fp8a2a_cache")
+    if ver is not None and cache is not None and cache.get(transposed, (None,))[0] == key:
+        return cache[transposed][1]
+    with torch.no_grad():
+        w = weight.detach()
+        w = w.transpose(-2, -1) if transposed else w
+        E, N, K = w.shape
+        data, scale = _quant_rows(w.reshape(E * N, K) if w.is_contiguous() else w.contiguous().view(E * N, K))
+        out = (data.view(E, N, K), scale.view(E, N))
+    if ver is not None:
+        weight.__dict__.setdefault("_fp8a2a_cache", {})[transposed] = (key, out)
+    return out
+
+
+def _block_to_row(data, scale):
+    """Convert block128 e4m3 rows to row scaling, for kernels without block scales
+    (torch._scaled_grouped_mm): x_hat = data * block scale is requantized per row by the package
+    rule (amax / 448), i.e. each block's codes are multiplied by block scale / row scale (<= 1) and
+    rounded to e4m3 again. Costs one pass over the rows and one extra rounding of the blocks whose
+    amax is below the row's (tests/test_experts.py checks it against quantize(dequantize(q)));
+    the triton backend needs no conversion."""
+    M, H = data.shape
+    codes = data.float().view(M, H // 128, 128)
+    amax = (codes.abs().amax(-1) * scale).amax(-1)
+    zero = amax == 0
+    qmul = torch.where(zero, torch.ones_like(amax), torch.div(torch.full_like(amax, 448.0), amax))
+    row_scale = torch.where(zero, torch.ones_like(amax), torch.div(amax, torch.full_like(amax, 448.0)))
+    out = (codes * (scale * qmul[:, None]).unsqueeze(-1)).view(M, H).to(FP8)
+    return out, row_scale
+
+
+def _fold(xs, rw):
+    """Scales with the router weights folded in (row: [M]; block: [M, H/128])."""
+    if rw is None:
+        return xs
+    rw = rw.to(torch.float32)
+    return xs * (rw if xs.dim() == 1 else rw[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# the GEMMs of each backend
+
+
+def _ref_mm(a, b, offs):
+    """fp32 [M, N]: a[rows of e] @ b[e]^T, a [M, K], b [E, N, K]; a loop over experts."""
+    out = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end].float() @ b[e].float().t()
+        start = end
+    return out
+
+
+def _ref_wgrad(g, x, offs, num_experts):
+    out = g.new_zeros((num_experts, g.shape[1], x.shape[1]), dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            out[e] = g[start:end].float().t() @ x[start:end].float()
+        start = end
+    return out
+
+
+def _warn_refused(err):
+    warnings.warn(f"fp8a2a: torch._scaled_grouped_mm refused this shape ({err}); using the Triton grouped GEMM",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _mm_fp8(backend, xq, xs, wq, sw, offs, fast_accum=False):
+    """bf16 [M, N] = xs * (xq @ wq[e]^T) * sw[e] per expert; xs [M] (any strides) or [M, K/128]."""
+    M, N = xq.shape[0], wq.shape[1]
+    if M == 0:
+        return xq.new_zeros((0, N), dtype=torch.bfloat16)
+    if backend == "scaled_grouped_mm":
+        key = (N, xq.shape[1], torch.cuda.get_device_capability(xq.device))
+        if key not in _SGMM_REFUSED:
+            a, sa = _block_to_row(xq, xs) if xs.dim() == 2 else (xq, xs.contiguous())
+            try:
+                return torch._scaled_grouped_mm(a, wq.transpose(-2, -1), sa, sw, offs=offs,
+                                                out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+            except RuntimeError as err:
+                _SGMM_REFUSED.add(key)
+                _warn_refused(err)
+        backend = "triton" if _tk() is not None else "reference"
+    if backend == "triton":
+        return _tk().grouped_mm(xq, wq, offs, sa=xs, sb=sw)
+    return _ref_mm(_dequant(xq, xs), _dequant(wq.flatten(0, 1), sw.flatten()).view(wq.shape), offs).to(torch.bfloat16)
+
+
+def _dgrad(cfg, g, w, offs):
+    """bf16 [M, K] = g[rows of e] @ w[e], g [M, N] bf16, w [E, N, K] master weights."""
+    M, K = g.shape[0], w.shape[2]
+    if M == 0:
+        return g.new_zeros((0, K), dtype=torch.bfloat16)
+    if cfg.fp8_dgrad:
+        wtq, swt = fp8_weight(w, transposed=True)
+        gq, gs = _quant_rows(g)
+        return _mm_fp8(cfg.backend, gq, gs, wtq, swt, offs, cfg.fast_accum)
+    if cfg.backend == "reference":
+        return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
+    wb = w.to(torch.bfloat16)
+    if cfg.backend == "scaled_grouped_mm" and hasattr(torch, "_grouped_mm"):
+        try:
+            return torch._grouped_mm(g, wb, offs=offs, out_dtype=torch.bfloat16)
+        except RuntimeError:
+            pass
+    return _tk().grouped_mm(g, wb, offs, b_strides=(wb.stride(0), wb.stride(2), wb.stride(1)), n=K)
+
+
+def _wgrad(cfg, g, xq, xs, offs, weight):
+    """[E, N, K] in weight.dtype = g[rows of e]^T @ x_hat[rows of e], x_hat = xs * xq."""
+    E = weight.shape[0]
+    if g.shape[0] == 0:
+        return torch.zeros_like(weight)
+    if cfg.backend == "reference":
+        return _ref_wgrad(g, _dequant(xq, xs), offs, E).to(weight.dtype)
+    return _tk().grouped_wgrad(g, xq, offs, sx=xs, out_dtype=weight.dtype)
+
+
+def _act_torch(z, act):
+    if act == "swiglu":
+        gate, up = z.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(z) if act == "gelu" else F.relu(z)
+
+
+def _act_fwd(cfg, z, rw):
+    """(e4m3 [M, F], scale [M]) of act(z) * rw, one fused kernel on CUDA."""
+    if cfg.backend != "reference" and _triton_ok(z):
+        return _tk().act_quant(z, rw, cfg.activation)
+    h = _act_torch(z.float(), cfg.activation)
+    if rw is not None:
+        h = h * rw.float()[:, None]
+    return quantize_reference(h, "row")
+
+
+def _act_bwd(cfg, z, dh, rw):
+    """(dz like z, d rw f32 [M] or None) for h = act(z) * rw."""
+    if cfg.backend != "reference" and _triton_ok(z):
+        return _tk().act_bwd(z, dh, rw, cfg.activation)
+    with torch.enable_grad():
+        zf = z.detach().float().requires_grad_()
+        rwf = rw.detach().float().requires_grad_() if rw is not None else None
+        h = _act_torch(zf, cfg.activation)
+        if rwf is not None:
+            h = h * rwf[:, None]
+        grads = torch.autograd.grad(h, [zf] + ([rwf] if rwf is not None else []), dh.float())
+    return grads[0].to(z.dtype), (grads[1] if rwf is not None else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg):
+        wq, sw = fp8_weight(weight)
+        y = _mm_fp8(cfg.backend, xq, _fold(xs, rw), wq, sw, offs, cfg.fast_accum)
+        ctx.save_for_backward(xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
+        ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, weight, rw, offs = ctx.saved_tensors
+        need_x, need_w, need_rw = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        dy = dy.to(torch.bfloat16).contiguous()
+        dx = dw = drw = None
+        if need_rw:  # d rw_i = dY_i . y_i before weighting: recompute that forward GEMM (no saved copy)
+            wq, sw = fp8_weight(weight)
+            drw = (dy.float() * _mm_fp8(ctx.cfg.backend, xq, xs, wq, sw, offs, ctx.cfg.fast_accum)).sum(1).to(rw.dtype)
+        if need_x:
+            gx = _dgrad(ctx.cfg, dy, weight, offs)  # dY @ W, before the router weights
+            dx = (gx if rw is None else gx * rw.to(torch.float32)[:, None]).to(ctx.anchor_dtype)
+        if need_w:
+            dw = _wgrad(ctx.cfg, dy, xq, _fold(xs, rw), offs, weight)
+        return None, None, dx, dw, drw, None, None
+
+
+class _GroupedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, cfg):
+        w1q, s1 = fp8_weight(w1)
+        w2q, s2 = fp8_weight(w2)
+        z = _mm_fp8(cfg.backend, xq, xs, w1q, s1, offs, cfg.fast_accum)  # [M, 2F or F] bf16
+        hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
+        y = _mm_fp8(cfg.backend, hq, hs, w2q, s2, offs, cfg.fast_accum)
+        ctx.save_for_backward(xq, xs, z, hq, hs, w1, w2, rw, offs)
+        ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, z, hq, hs, w1, w2, rw, offs = ctx.saved_tensors
+        cfg = ctx.cfg
+        _, _, need_x, need_w1, need_w2, need_rw, _, _ = ctx.needs_input_grad
+        dy = dy.to(torch.bfloat16).contiguous()
+        dx = dw1 = dw2 = None
+        if need_w2:
+            dw2 = _wgrad(cfg, dy, hq, hs, offs, w2)
+        if not (need_x or need_w1 or need_rw):
+            return None, None, None, None, dw2, None, None, None
+        dh = _dgrad(cfg, dy, w2, offs)
+        dz, drw = _act_bwd(cfg, z, dh, rw)
+        del dh
+        if need_w1:
+            dw1 = _wgrad(cfg, dz, xq, xs, offs, w1)
+        if need_x:
+            dx = _dgrad(cfg, dz, w1, offs).to(ctx.anchor_dtype)
+        if drw is not None:
+            drw = drw.to(rw.dtype)
+        return None, None, dx, dw1, dw2, drw if need_rw else None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+
+
+def _as_quantized(q) -> QuantizedTensor:
+    if isinstance(q, QuantizedTensor):
+        return q
+    if isinstance(q, torch.Tensor) and q.dim() == 2 and q.is_floating_point():
+        data, scale = _quant_rows(q.detach())
+        return QuantizedTensor(data, scale, "row", grad_anchor=q if q.requires_grad else None)
+    raise TypeError(f"fp8a2a: expected a QuantizedTensor (or a 2-D float tensor), got {type(q).__name__}")
+
+
+def _offsets(tokens_per_expert, rows, num_experts, device, check):
+    tpe = torch.as_tensor(tokens_per_expert)
+    if tpe.dim() != 1 or tpe.numel() != num_experts or tpe.is_floating_point():
+        raise ValueError(f"fp8a2a: tokens_per_expert must be a 1-D integer tensor of {num_experts} counts "
+                         f"(one per local expert), got {tpe.dtype} of shape {tuple(tpe.shape)}")
+    if check is None:
+        check = "sync" if tpe.device.type == "cpu" else "async"
+    if check is True or check == "sync":
+        counts = tpe.cpu()
+        if bool((counts < 0).any()) or int(counts.sum()) != rows:
+            raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
+                             f"but the input has {rows} rows (they must match, no count negative)")
+    offs = torch.cumsum(tpe.to(device, non_blocking=True), 0, dtype=torch.int32)
+    if check == "async" and num_experts and not torch.cuda.is_current_stream_capturing():
+        torch._assert_async(offs[-1] == rows, "fp8a2a: tokens_per_expert does not sum to the rows given")
+    return offs
+
+
+def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check):
+    q = _as_quantized(q)
+    xq, xs = q.data, q.scale
+    M, H = xq.shape
+    if H != hidden:
+        raise ValueError(f"fp8a2a: input has {H} columns, the weight expects {hidden}")
+    if xq.stride(-1) != 1:
+        xq = xq.contiguous()
+    if xs.dim() == 0:  # tensor scale: a row scale that every row shares
+        xs = xs.reshape(1).expand(M)
+    granularity = "block128" if xs.dim() == 2 else "row"
+    be = resolve_backend(backend, xq.device, granularity)
+    offs = _offsets(tokens_per_expert, M, num_experts, xq.device, check)
+    anchor = q.grad_anchor if torch.is_grad_enabled() else None
+    return xq, xs, anchor, offs, be
+
+
+def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: Optional[torch.Tensor] = None,
+                   *, backend: str = "auto", fp8_dgrad: bool = False, fast_accum: bool = False, check=None):
+    """y [N, out] bf16 = x_e @ weight[e]^T for the rows x_e of each local expert e.
+
+    q: QuantizedTensor [N, in] (row, block128 or tensor scales), rows expert-major (a plain 2-D
+    float tensor is quantized per row first). weight: [E, out, in] master weights (bf16), quantized
+    per output channel and cached. tokens_per_expert: int [E], summing to N. router_weights: [N],
+    multiplies each output row. Differentiable w.r.t. the input (through q.grad_anchor), weight and
+    router_weights. check: None = verify the counts when tokens_per_expert is on the CPU, an
+    asynchronous device assert when it is on the GPU (no host sync); True = host-synced ValueError;
+    False = no check."""
+    if weight.dim() != 3:
+        raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
+    xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend, check)
+    if router_weights is not None and router_weights.shape != (xq.shape[0],):
+        raise ValueError(f"fp8a2a: router_weights must be [{xq.shape[0]}], got {tuple(router_weights.shape)}")
+    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, _Cfg(be, fp8_dgrad, fast_accum))
+
+
+class FP8GroupedMLP(torch.nn.Module):
+    """E local experts, each fc1 -> activation -> fc2, on expert-major FP8 rows (DESIGN.md).
+
+    fc1_weight [E, 2*ffn (swiglu: gate rows then up rows) or ffn, hidden], fc2_weight [E, hidden, ffn],
+    master weights in `dtype` (bf16). forward(q, tokens_per_expert, router_weights=None) -> [N, hidden]
+    bf16; router_weights [N] multiply the activation (where Megatron applies its probs).
+    backend: 'auto' | 'scaled_grouped_mm' | 'triton' | 'reference'; fp8_dgrad: FP8 input-gradient
+    GEMMs (default BF16); fast_accum: the FP8 GEMMs' fast accumulation on sm_90 (scaled_grouped_mm)."""
+
+    def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu", *,
+                 backend: str = "auto", fp8_dgrad: bool = False, fast_accum: bool = False,
+                 device=None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"fp8a2a: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"fp8a2a: backend must be one of {BACKENDS}, got {backend!r}")
+        self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
+        self.activation, self.backend, self.fp8_dgrad, self.fast_accum = activation, backend, fp8_dgrad, fast_accum
+        fc1_out = (2 if activation == "swiglu" else 1) * ffn_hidden
+        self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, hidden, device=device, dtype=dtype))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():  # nn.Linear's default bound, per expert
+            self.fc1_weight.uniform_(-1 / math.sqrt(self.hidden), 1 / math.sqrt(self.hidden))
+            self.fc2_weight.uniform_(-1 / math.sqrt(self.ffn_hidden), 1 / math.sqrt(self.ffn_hidden))
+
+    def forward(self, q, tokens_per_expert, router_weights: Optional[torch.Tensor] = None, *, check=None):
+        xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
+                                            self.backend, check)
+        if router_weights is not None and router_weights.shape != (xq.shape[0],):
+            raise ValueError(f"fp8a2a: router_weights must be [{xq.shape[0]}], got {tuple(router_weights.shape)}")
+        cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation)
+        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, cfg)
+
+    def extra_repr(self):
+        return (f"experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
+                f"activation={self.activation}, backend={self.backend}, fp8_dgrad={self.fp8_dgrad}")

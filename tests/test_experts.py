@@ -1,0 +1,341 @@
+"""fp8a2a.grouped_linear / FP8GroupedMLP: the reference path against float64 on the CPU (forward and
+backward, every activation and granularity, empty experts, bad counts), and on a GPU the
+torch._scaled_grouped_mm and Triton paths against the reference path at real expert shapes.
+
+Ground truth is float64 with the straight-through rules of fp8a2a/experts.py spelt out: forward
+values use the FP8 input, FP8 weights (per output channel), a bf16 fc1 output and a per-row FP8
+activation; gradients flow to the input and the master weights as if no quantization happened."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8a2a
+from fp8a2a.experts import FP8GroupedMLP, _block_to_row, fp8_weight, grouped_linear, resolve_backend
+from fp8a2a.quant import QuantizedTensor
+from fp8a2a.reference import dequantize_reference, quantize_reference
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make_q(x, granularity="row"):
+    """QuantizedTensor of x (a leaf that receives the input gradient), on any device."""
+    data, scale = quantize_reference(x.detach(), granularity)
+    return QuantizedTensor(data, scale, granularity, grad_anchor=x)
+
+
+def xhat64(q):
+    return dequantize_reference(q.data, q.scale, torch.float64)
+
+
+def what64(w):
+    e, n, k = w.shape
+    data, scale = quantize_reference(w.detach().reshape(e * n, k), "row")
+    return dequantize_reference(data, scale, torch.float64).view(e, n, k)
+
+
+def ste_linear(x, w, w_hat):
+    """Value x @ w_hat^T; gradients as for x @ w^T (straight-through weight quantization)."""
+    exact = x @ w.t()
+    return x @ w_hat.t() + exact - exact.detach()
+
+
+def act64(z, act):
+    if act == "swiglu":
+        g, u = z.chunk(2, -1)
+        return F.silu(g) * u
+    return F.gelu(z) if act == "gelu" else F.relu(z)
+
+
+def per_expert(fn, tpe, *rows):
+    outs, start = [], 0
+    for e, n in enumerate(tpe):
+        outs.append(fn(e, *(r[start:start + n] for r in rows)))
+        start += n
+    return torch.cat(outs)
+
+
+def mlp64(q, w1, w2, tpe, rw, act):
+    """float64 straight-through model of FP8GroupedMLP; returns (y, leaves x, W1, W2, rw)."""
+    x = xhat64(q).requires_grad_()
+    W1, W2 = w1.detach().double().requires_grad_(), w2.detach().double().requires_grad_()
+    W1h, W2h = what64(w1), what64(w2)
+    r = rw.detach().double().requires_grad_() if rw is not None else None
+    z = per_expert(lambda e, xe: ste_linear(xe, W1[e], W1h[e]), tpe, x)
+    z = z + (z.detach().to(torch.bfloat16).double() - z.detach())  # fc1 output is bf16
+    h = act64(z, act) * (r[:, None] if r is not None else 1)
+    hq, hs = quantize_reference(h.detach().float(), "row")
+    h = h + (dequantize_reference(hq, hs, torch.float64) - h.detach())  # fc2 input is FP8 per row
+    y = per_expert(lambda e, he: ste_linear(he, W2[e], W2h[e]), tpe, h)
+    return y, x, W1, W2, r
+
+
+def inputs(tpe, hidden, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(tpe), hidden, generator=g).to(device).requires_grad_()
+    rw = torch.rand(sum(tpe), generator=g).to(device).requires_grad_()
+    return x, rw
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: reference path against float64
+
+
+@pytest.mark.parametrize("granularity", ["row", "block128", "tensor"])
+@pytest.mark.parametrize("with_rw", [False, True])
+def test_grouped_linear_reference_vs_float64(granularity, with_rw):
+    tpe, H, N = [5, 0, 17, 10], 256, 96
+    x, rw = inputs(tpe, H)
+    rw = rw if with_rw else None
+    w = (torch.randn(len(tpe), N, H) * 0.05).bfloat16().requires_grad_()
+    q = make_q(x, granularity)
+    y = grouped_linear(q, w, torch.tensor(tpe))
+    if rw is not None:
+        y = grouped_linear(q, w, torch.tensor(tpe), rw)
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(tpe), N)
+
+    xr, W = xhat64(q).requires_grad_(), w.detach().double().requires_grad_()
+    rr = rw.detach().double().requires_grad_() if rw is not None else None
+    y64 = per_expert(lambda e, xe: ste_linear(xe, W[e], what64(w)[e]), tpe, xr)
+    y64 = y64 * rr[:, None] if rr is not None else y64
+    assert rel(y, y64) < 5e-3
+
+    dy = torch.randn_like(y64)
+    y.backward(dy.bfloat16())
+    y64.backward(dy.bfloat16().double())
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
+    assert rel(x.grad, xr.grad) < 1e-2
+    assert rel(w.grad, W.grad) < 1e-2
+    assert w.grad[1].abs().max() == 0  # expert 1 got no rows
+    if rw is not None:
+        assert rel(rw.grad, rr.grad) < 1e-2
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "relu"])
+@pytest.mark.parametrize("tpe", [[7, 0, 30, 3], [0, 0, 24, 0]], ids=["uneven", "one_expert"])
+def test_mlp_reference_vs_float64(act, tpe):
+    E, H, FF = len(tpe), 128, 64
+    torch.manual_seed(1)
+    mlp = FP8GroupedMLP(E, H, FF, act)
+    assert mlp.fc1_weight.shape == (E, (2 if act == "swiglu" else 1) * FF, H)
+    assert mlp.fc2_weight.shape == (E, H, FF) and mlp.fc1_weight.dtype == torch.bfloat16
+    x, rw = inputs(tpe, H, seed=2)
+    q = make_q(x)
+    y = mlp(q, torch.tensor(tpe), rw)
+    y64, xr, W1, W2, rr = mlp64(q, mlp.fc1_weight, mlp.fc2_weight, tpe, rw, act)
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(tpe), H)
+    assert rel(y, y64) < 1e-2
+
+    dy = torch.randn(y.shape).bfloat16()
+    y.backward(dy)
+    y64.backward(dy.double())
+    assert rel(x.grad, xr.grad) < 2e-2
+    assert rel(mlp.fc1_weight.grad, W1.grad) < 2e-2
+    assert rel(mlp.fc2_weight.grad, W2.grad) < 2e-2
+    assert rel(rw.grad, rr.grad) < 2e-2
+    for e, n in enumerate(tpe):
+        if n == 0:
+            assert mlp.fc1_weight.grad[e].abs().max() == 0 and mlp.fc2_weight.grad[e].abs().max() == 0
+
+
+def test_mlp_without_router_weights_and_block_input():
+    tpe, H = [9, 4, 0], 256
+    torch.manual_seed(3)
+    mlp = FP8GroupedMLP(3, H, 64)
+    x, _ = inputs(tpe, H, seed=4)
+    q = make_q(x, "block128")
+    y = mlp(q, torch.tensor(tpe))
+    y64, xr, W1, W2, _ = mlp64(q, mlp.fc1_weight, mlp.fc2_weight, tpe, None, "swiglu")
+    assert rel(y, y64) < 1e-2
+    y.backward(torch.ones_like(y))
+    y64.backward(torch.ones_like(y64))
+    assert rel(x.grad, xr.grad) < 2e-2 and rel(mlp.fc1_weight.grad, W1.grad) < 2e-2
+
+
+def test_plain_tensor_input_and_fp8_quantize_api():
+    tpe, H = [3, 5], 128
+    mlp = FP8GroupedMLP(2, H, 32, "relu")
+    x, _ = inputs(tpe, H)
+    y_plain = mlp(x, torch.tensor(tpe))  # quantized per row inside, gradient reaches x
+    y_q = mlp(fp8a2a.quantize(x, "row"), torch.tensor(tpe))
+    torch.testing.assert_close(y_plain, y_q)
+    y_plain.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_fp8_dgrad_option_close_to_bf16_dgrad():
+    tpe, H = [11, 6, 0, 15], 256
+    torch.manual_seed(5)
+    ref, fp8 = FP8GroupedMLP(4, H, 128), FP8GroupedMLP(4, H, 128, fp8_dgrad=True)
+    fp8.load_state_dict(ref.state_dict())
+    grads = []
+    for m in (ref, fp8):
+        x, rw = inputs(tpe, H, seed=6)
+        y = m(make_q(x), torch.tensor(tpe), rw)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).bfloat16())
+        grads.append((y.detach(), x.grad, rw.grad, m.fc1_weight.grad, m.fc2_weight.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0])  # same forward
+    assert rel(grads[1][4], grads[0][4]) < 1e-6  # fc2 wgrad does not involve the dgrad
+    for a, b in zip(grads[1][1:4], grads[0][1:4]):
+        assert rel(a, b) < 0.08  # FP8 quantization error of dY and W^T
+
+
+def test_fp8_weight_cache_follows_the_version_counter():
+    w = torch.randn(2, 32, 64).bfloat16().requires_grad_()
+    a = fp8_weight(w)
+    assert fp8_weight(w) is a
+    torch.testing.assert_close(a[0].float() * a[1][..., None], w.detach().float(), rtol=0.07, atol=1e-3)
+    with torch.no_grad():
+        w.mul_(2)  # optimizer-style in-place update
+    b = fp8_weight(w)
+    assert b is not a
+    torch.testing.assert_close(b[1], a[1] * 2)
+    t = fp8_weight(w, transposed=True)
+    assert t[0].shape == (2, 64, 32) and t[1].shape == (2, 64)
+    assert fp8_weight(w) is b  # both kinds cached side by side
+
+
+def test_zero_rows():
+    mlp = FP8GroupedMLP(3, 128, 32)
+    x = torch.zeros(0, 128, requires_grad=True)
+    y = mlp(make_q(x), torch.zeros(3, dtype=torch.int64))
+    assert y.shape == (0, 128)
+    y.sum().backward()
+    assert mlp.fc1_weight.grad.abs().sum() == 0 and x.grad.shape == (0, 128)
+
+
+def test_bad_tokens_per_expert():
+    mlp = FP8GroupedMLP(3, 128, 32)
+    q = make_q(torch.randn(10, 128))
+    with pytest.raises(ValueError, match="sums to 9"):
+        mlp(q, torch.tensor([4, 0, 5]))
+    with pytest.raises(ValueError, match="sums to 11"):
+        grouped_linear(q, mlp.fc2_weight.transpose(1, 2), torch.tensor([4, 2, 5]))
+    with pytest.raises(ValueError, match="3 counts"):
+        mlp(q, torch.tensor([10, 0]))
+    with pytest.raises(ValueError, match="negative"):
+        mlp(q, torch.tensor([12, -2, 0]))
+    with pytest.raises(ValueError, match="columns"):
+        mlp(make_q(torch.randn(10, 256)), torch.tensor([10, 0, 0]))
+
+
+def test_backend_selection_on_cpu():
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend"):
+        FP8GroupedMLP(2, 128, 32, backend="cutlass")
+    with pytest.raises(ValueError, match="activation"):
+        FP8GroupedMLP(2, 128, 32, activation="silu")
+
+
+def test_block_to_row_conversion():
+    torch.manual_seed(8)
+    x = torch.randn(40, 512) * torch.logspace(-2, 1, 512)
+    x[3] = 0
+    x[5, :128] = 0  # a zero block has scale 1: must not set the row's scale
+    data, scale = quantize_reference(x, "block128")
+    d, s = _block_to_row(data, scale)
+    ref_d, ref_s = quantize_reference(dequantize_reference(data, scale), "row")
+    torch.testing.assert_close(s, ref_s, rtol=1e-6, atol=0)
+    assert (d.float() == ref_d.float()).float().mean() > 0.999
+    assert rel(dequantize_reference(d, s), dequantize_reference(ref_d, ref_s)) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: the fast paths against the reference path
+
+SHAPES = {"deepseek": (7168, 2048), "mixtral": (4096, 14336), "qwen3": (2048, 768)}
+GPU_TPE = [300, 0, 77, 1, 130]
+
+
+def _run_mlp(backend, hidden, ffn, act="swiglu", granularity="row", fp8_dgrad=False, rw=True, seed=0):
+    torch.manual_seed(seed)
+    mlp = FP8GroupedMLP(len(GPU_TPE), hidden, ffn, act, backend=backend, fp8_dgrad=fp8_dgrad, device="cuda")
+    x, r = inputs(GPU_TPE, hidden, "cuda", seed)
+    r = r if rw else None
+    y = mlp(make_q(x, granularity), torch.tensor(GPU_TPE, device="cuda"), r)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
+    return [y.detach(), x.grad, mlp.fc1_weight.grad, mlp.fc2_weight.grad] + ([r.grad] if rw else [])
+
+
+@gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
+def test_gpu_mlp_vs_reference(backend, shape):
+    hidden, ffn = SHAPES[shape]
+    ref = _run_mlp("reference", hidden, ffn)
+    got = _run_mlp(backend, hidden, ffn)
+    for name, a, b in zip(["y", "dx", "dw1", "dw2", "drw"], got, ref):
+        assert rel(a, b) < 1e-2, (name, rel(a, b))
+
+
+@gpu
+@pytest.mark.parametrize("act", ["gelu", "relu"])
+@pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
+def test_gpu_activations(backend, act):
+    ref = _run_mlp("reference", 2048, 768, act)
+    got = _run_mlp(backend, 2048, 768, act)
+    for name, a, b in zip(["y", "dx", "dw1", "dw2", "drw"], got, ref):
+        assert rel(a, b) < 1e-2, (name, rel(a, b))
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
+def test_gpu_fp8_dgrad(backend):
+    ref = _run_mlp("reference", 2048, 768, fp8_dgrad=True)
+    got = _run_mlp(backend, 2048, 768, fp8_dgrad=True)
+    for name, a, b in zip(["y", "dx", "dw1", "dw2", "drw"], got, ref):
+        assert rel(a, b) < 1e-2, (name, rel(a, b))
+
+
+@gpu
+@pytest.mark.parametrize("granularity", ["block128", "tensor"])
+@pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
+def test_gpu_grouped_linear_granularities(backend, granularity):
+    tpe = torch.tensor(GPU_TPE, device="cuda")
+    torch.manual_seed(9)
+    w = (torch.randn(len(GPU_TPE), 768, 2048, device="cuda") * 0.02).bfloat16().requires_grad_()
+    outs = {}
+    for be in ("reference", backend):
+        x, rw = inputs(GPU_TPE, 2048, "cuda", 10)
+        q = make_q(x, granularity)
+        if be == "scaled_grouped_mm" and granularity == "block128":  # converted to row scales inside
+            d, s = _block_to_row(q.data, q.scale)
+            x2 = x.detach().clone().requires_grad_()
+            ref_conv = grouped_linear(QuantizedTensor(d, s, "row", x2), w.detach(), tpe, rw.detach(),
+                                      backend="reference")
+        y = grouped_linear(q, w, tpe, rw, backend=be)
+        y.backward(torch.ones_like(y))
+        outs[be] = [y.detach(), x.grad, w.grad.clone(), rw.grad]
+        w.grad = None
+    for name, a, b in zip(["y", "dx", "dw", "drw"], outs[backend], outs["reference"]):
+        assert rel(a, b) < 1e-2, (name, rel(a, b))
+    if backend == "scaled_grouped_mm" and granularity == "block128":
+        assert rel(outs[backend][0], ref_conv) < 1e-2
+
+
+@gpu
+def test_gpu_scaled_grouped_mm_fallback_and_edges():
+    # K = 2056 is not a multiple of 16 bytes... of fp8 elements it is (2056 % 16 == 8): the op refuses,
+    # the Triton kernel takes over with a warning.
+    tpe = torch.tensor([0, 64, 0], device="cuda")
+    w = (torch.randn(3, 64, 2056, device="cuda") * 0.02).bfloat16()
+    x = torch.randn(64, 2056, device="cuda")
+    with pytest.warns(RuntimeWarning, match="Triton"):
+        y = grouped_linear(make_q(x), w, tpe, backend="scaled_grouped_mm")
+    y_ref = grouped_linear(make_q(x), w, tpe, backend="reference")
+    assert rel(y, y_ref) < 1e-2
+    # empty input, all rows on one expert
+    mlp = FP8GroupedMLP(4, 2048, 768, device="cuda")
+    assert mlp(make_q(torch.zeros(0, 2048, device="cuda")), torch.zeros(4, dtype=torch.int64, device="cuda")).shape == (0, 2048)
+    q = make_q(torch.randn(50, 2048, device="cuda"))
+    one = torch.tensor([0, 0, 50, 0], device="cuda")
+    assert rel(mlp(q, one), FP8GroupedMLP.forward(mlp, q, one.cpu())) < 1e-6
+    with pytest.raises(ValueError, match="sums to"):
+        mlp(q, torch.tensor([0, 0, 49, 0], device="cuda"), check=True)
