@@ -27,13 +27,17 @@ TORCH_LIBRARY(fp8a2a, m) {
   m.def("quantize(Tensor x, int granularity, Tensor? scale) -> (Tensor data, Tensor scale)");
   m.def("dequantize(Tensor data, Tensor scale, ScalarType dtype) -> Tensor");
   // -> send rows [T*min(K,R), DispatchRow.bytes] uint8 ordered by destination rank (only the first
-  //    counts[:, rows].sum() are written), counts [R, 5 + local experts] int64, send_pos [T, R] int32
+  //    counts[:, rows].sum() are written), counts [R, 5 + local experts] int64, send_pos [T, R] int32.
+  //    rank_capacity > 0 (capacity mode): rows for rank r start at r * rank_capacity, [R * rank_capacity] rows.
   m.def(
       "dispatch_pack(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
-      "int granularity, Tensor? tensor_scale) -> (Tensor send, Tensor counts, Tensor send_pos)");
-  // -> expert-major data [N, H] e4m3, scale, weights [N], tokens_per_expert, slot_pos [Nr, K], row_src [N]
+      "int granularity, Tensor? tensor_scale, int rank_capacity=0) -> (Tensor send, Tensor counts, Tensor send_pos)");
+  // -> expert-major data [N, H] e4m3, scale, weights [N], tokens_per_expert, slot_pos [Nr, K], row_src [N].
+  //    Capacity mode: source r's rows are the first counts[r, rows] of segment r; expert e owns rows
+  //    [e*R*C, (e+1)*R*C) (N = local experts * R * C), padding rows zero.
   m.def(
-      "dispatch_unpack(Tensor recv, Tensor recv_counts, int hidden, int granularity, int topk, int num_rows) "
+      "dispatch_unpack(Tensor recv, Tensor recv_counts, int hidden, int granularity, int topk, int num_rows, "
+      "int rank_capacity=0, int expert_capacity=0) "
       "-> (Tensor data, Tensor scale, Tensor weights, Tensor tokens_per_expert, Tensor slot_pos, Tensor row_src)");
   // Expert side: per received row, sum (weighted) of its local experts' outputs -> CombineRow bytes.
   m.def("combine_pack(Tensor expert_out, Tensor slot_pos, Tensor? weights, Tensor? extra, bool quantize) -> Tensor");

@@ -21,17 +21,19 @@ Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType d
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                     const std::optional<Tensor>& tensor_scale);
+                                                     const std::optional<Tensor>& tensor_scale, int64_t rank_capacity);
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                                       int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                      const std::optional<Tensor>& tensor_scale);
+                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity);
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(const Tensor& recv, const Tensor& recv_counts,
                                                                                int64_t hidden, int64_t granularity,
-                                                                               int64_t topk, int64_t num_rows);
+                                                                               int64_t topk, int64_t num_rows,
+                                                                               int64_t rank_capacity, int64_t expert_capacity);
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(const Tensor& recv, const Tensor& recv_counts,
                                                                                 int64_t hidden, int64_t granularity,
-                                                                                int64_t topk, int64_t num_rows);
+                                                                                int64_t topk, int64_t num_rows,
+                                                                                int64_t rank_capacity, int64_t expert_capacity);
 
 Tensor combine_pack_cpu(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
                         const std::optional<Tensor>& extra, bool quantize);
@@ -111,8 +113,9 @@ inline void check_tensor_scale(const std::optional<Tensor>& scale, const Tensor&
   check_same_device(x, *scale, "scale");
 }
 
-inline int64_t send_buffer_rows(int64_t tokens, int64_t topk, int64_t num_ranks) {
-  return tokens * std::min(topk, num_ranks);
+// Compact mode: an upper bound (each token to at most min(K, R) ranks). Capacity mode: R fixed segments.
+inline int64_t send_buffer_rows(int64_t tokens, int64_t topk, int64_t num_ranks, int64_t rank_capacity) {
+  return rank_capacity > 0 ? num_ranks * rank_capacity : tokens * std::min(topk, num_ranks);
 }
 
 inline std::vector<int64_t> scale_shape(int64_t rows, int64_t hidden, int64_t granularity) {

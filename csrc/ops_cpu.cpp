@@ -119,7 +119,7 @@ Tensor dequantize_cpu(const Tensor& data, const Tensor& scale, at::ScalarType dt
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                     const std::optional<Tensor>& tensor_scale) {
+                                                     const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
   check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
   check_granularity(granularity, H);
@@ -155,13 +155,16 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tens
     row[kColTopk] = K;
     row[kColBadIds] = bad;
     row[kColWire] = granularity;
-    rank_off[r + 1] = rank_off[r] + row[kColRows];
+    // Capacity mode: fixed segments of rank_capacity rows (static all_to_all splits).
+    TORCH_CHECK(rank_capacity == 0 || row[kColRows] <= rank_capacity, "fp8a2a: ", row[kColRows],
+                " rows for rank ", r, " exceed its capacity of ", rank_capacity, " (drop to capacity first)");
+    rank_off[r + 1] = rank_capacity ? (r + 1) * rank_capacity : rank_off[r] + row[kColRows];
   }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t r = 0; r < R; ++r)
       if (spos[t * R + r] >= 0) spos[t * R + r] += static_cast<int32_t>(rank_off[r]);
 
-  auto send = at::empty({send_buffer_rows(T, K, R), L.bytes}, x.options().dtype(at::kByte));
+  auto send = at::empty({send_buffer_rows(T, K, R, rank_capacity), L.bytes}, x.options().dtype(at::kByte));
   uint8_t* sb = send.data_ptr<uint8_t>();
   const auto [tq, ts] = tensor_scales(granularity, tensor_scale);
   AT_DISPATCH_FLOATING_TYPES_AND3(at::kHalf, at::kBFloat16, at::kByte, x.scalar_type(), "fp8a2a_dispatch_pack", [&] {
@@ -201,8 +204,11 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tens
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(const Tensor& recv, const Tensor& recv_counts,
                                                                                int64_t hidden, int64_t granularity,
-                                                                               int64_t topk, int64_t num_rows) {
+                                                                               int64_t topk, int64_t num_rows,
+                                                                               int64_t rank_capacity,
+                                                                               int64_t expert_capacity) {
   check_granularity(granularity, hidden);
+  TORCH_CHECK((rank_capacity > 0) == (expert_capacity > 0), "fp8a2a: capacity mode needs both capacities");
   const DispatchRow L(hidden, granularity, topk);
   TORCH_CHECK(recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.size(1) == L.bytes && recv.is_contiguous(),
               "fp8a2a: received buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", recv.sizes(), " ",
@@ -216,9 +222,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
   std::vector<int64_t> base(R * El), row_start(R + 1, 0);
   auto tpe = at::zeros({El}, recv.options().dtype(at::kLong));
   int64_t* tp = tpe.data_ptr<int64_t>();
+  const bool capacity = expert_capacity > 0;
   for (int64_t e = 0, off = 0; e < El; ++e) {
     for (int64_t r = 0; r < R; ++r) {
-      base[r * El + e] = off;
+      // Capacity mode: expert e owns rows [e * R * C, (e + 1) * R * C), source r a slice of C.
+      base[r * El + e] = capacity ? (e * R + r) * expert_capacity : off;
       off += cp[r * C + kColExperts + e];
       tp[e] += cp[r * C + kColExperts + e];
     }
@@ -226,15 +234,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
   for (int64_t r = 0; r < R; ++r) row_start[r + 1] = row_start[r] + cp[r * C + kColRows];
   int64_t total = 0;
   for (int64_t e = 0; e < El; ++e) total += tp[e];
-  TORCH_CHECK(row_start[R] == Nr, "fp8a2a: counts announce ", row_start[R], " rows but ", Nr, " were received");
-  TORCH_CHECK(total == num_rows, "fp8a2a: counts announce ", total, " expert rows but num_rows is ", num_rows);
+  if (capacity) {
+    TORCH_CHECK(Nr == R * rank_capacity, "fp8a2a: capacity mode expects ", R * rank_capacity, " rows, got ", Nr);
+    TORCH_CHECK(num_rows == El * R * expert_capacity, "fp8a2a: capacity mode has ", El * R * expert_capacity,
+                " expert rows, num_rows is ", num_rows);
+  } else {
+    TORCH_CHECK(row_start[R] == Nr, "fp8a2a: counts announce ", row_start[R], " rows but ", Nr, " were received");
+    TORCH_CHECK(total == num_rows, "fp8a2a: counts announce ", total, " expert rows but num_rows is ", num_rows);
+  }
 
-  auto data = at::empty({num_rows, H}, recv.options().dtype(granularity == kRaw ? at::kByte : at::kFloat8_e4m3fn));
-  auto scale = at::empty(granularity == kTensor ? std::vector<int64_t>{num_rows} : scale_shape(num_rows, H, granularity),
-                         recv.options().dtype(at::kFloat));
-  auto weights = at::empty({num_rows}, recv.options().dtype(at::kFloat));
-  auto slot_pos = at::empty({Nr, topk}, recv.options().dtype(at::kInt));
-  auto row_src = at::empty({num_rows}, recv.options().dtype(at::kInt));
+  // Padding rows of capacity mode stay zero (scale 0: they dequantize to 0, weight 0, no source).
+  auto alloc = [&](at::IntArrayRef shape, at::ScalarType t) {
+    return capacity ? at::zeros(shape, recv.options().dtype(t)) : at::empty(shape, recv.options().dtype(t));
+  };
+  auto data = alloc({num_rows, H}, granularity == kRaw ? at::kByte : at::kFloat8_e4m3fn);
+  auto scale = alloc(granularity == kTensor ? std::vector<int64_t>{num_rows} : scale_shape(num_rows, H, granularity),
+                     at::kFloat);
+  auto weights = alloc({num_rows}, at::kFloat);
+  auto slot_pos = at::full({Nr, topk}, -1, recv.options().dtype(at::kInt));
+  auto row_src = capacity ? at::full({num_rows}, -1, recv.options().dtype(at::kInt))
+                          : at::empty({num_rows}, recv.options().dtype(at::kInt));
   const uint8_t* rb = recv.data_ptr<uint8_t>();
   auto* dp = reinterpret_cast<uint8_t*>(data.data_ptr());
   float* sp = scale.data_ptr<float>();
@@ -242,15 +261,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
   int32_t* pp = slot_pos.data_ptr<int32_t>();
   int32_t* rs = row_src.data_ptr<int32_t>();
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t i = row_start[r]; i < row_start[r + 1]; ++i) {
+    const int64_t first = capacity ? r * rank_capacity : row_start[r];
+    for (int64_t i = first; i < first + cp[r * C + kColRows]; ++i) {
       const uint8_t* row = rb + i * L.bytes;
       const auto* w = reinterpret_cast<const float*>(row + L.weight_off);
       const auto* ex = reinterpret_cast<const int32_t*>(row + L.expert_off);
       const auto* ps = reinterpret_cast<const int32_t*>(row + L.pos_off);
       for (int64_t k = 0; k < topk; ++k) {
-        pp[i * topk + k] = -1;
         if (ex[k] < 0) continue;
-        TORCH_CHECK(ex[k] < El && ps[k] >= 0 && ps[k] < cp[r * C + kColExperts + ex[k]],
+        TORCH_CHECK(ex[k] < El && ps[k] >= 0 && ps[k] < cp[r * C + kColExperts + ex[k]] &&
+                        (!capacity || ps[k] < expert_capacity),
                     "fp8a2a: corrupt dispatch row ", i, " from rank ", r, " (expert ", ex[k], ", position ", ps[k], ")");
         const int64_t n = base[r * El + ex[k]] + ps[k];
         std::memcpy(dp + n * H, row, H);

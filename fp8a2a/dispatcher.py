@@ -8,6 +8,7 @@ Backward reuses the same machinery in the other direction: dispatch backward is 
 the row gradients (BF16 by default) that also carries the router-weight gradients; combine
 backward is a dispatch of dy (FP8 by default) over the cached layout, with no counts exchange.
 """
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
@@ -50,6 +51,11 @@ class DispatchHandle:
     tokens_per_expert_list: List[int] = field(default_factory=list)  # host copy, no extra sync
     weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
     tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
+    rank_capacity: int = 0  # capacity mode: rows per destination rank segment (0: compact)
+    expert_capacity: int = 0  # capacity mode: rows per (source rank, local expert)
+    dropped: Optional[torch.Tensor] = None  # capacity mode: slots dropped on this rank (device)
+    invalid_ids: Optional[torch.Tensor] = None  # capacity mode: out-of-range ids seen (device)
+    tokens_received: Optional[torch.Tensor] = None  # capacity mode: real rows per local expert
 
 
 @dataclass
@@ -74,6 +80,10 @@ class Dispatcher:
     fp8_combine:            send combine forward in FP8 too (lossy; default BF16)
     fp8_dispatch_backward:  send dispatch backward in FP8 too (lossy; default BF16)
     bf16_below_bytes:       size policy: smaller inputs are dispatched unquantized
+    capacity_factor:        capacity mode (drop-and-pad, zero host syncs, static shapes, CUDA-graph
+                            capturable): each expert takes at most ceil(factor * T * K / E)
+                            tokens from each source rank, dropping the lowest router weights;
+                            every local expert gets R * C rows, padding rows are zero
     expert_tp_size:         expert tensor parallelism: `group` is then the TP-EP group (rank =
                             ep_rank * expert_tp_size + tp_rank, Megatron's order) and every TP
                             rank of an expert's EP rank receives its tokens (the FP8 all-gather)
@@ -82,7 +92,8 @@ class Dispatcher:
 
     def __init__(self, num_experts: int, group=None, granularity: str = "row", *, fp8_combine: bool = False,
                  fp8_dispatch_backward: bool = False, bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES,
-                 tensor_scale: Optional[torch.Tensor] = None, expert_tp_size: int = 1):
+                 tensor_scale: Optional[torch.Tensor] = None, expert_tp_size: int = 1,
+                 capacity_factor: Optional[float] = None):
         self.group = group
         self.rank, self.world = _group_info(group)
         self.granularity = granularity
@@ -100,6 +111,10 @@ class Dispatcher:
         self.fp8_dispatch_backward = fp8_dispatch_backward
         self.bf16_below_bytes = bf16_below_bytes
         self.tensor_scale = tensor_scale
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"fp8a2a: capacity_factor must be positive, got {capacity_factor}")
+        self.capacity_factor = capacity_factor
+        self._validated_shapes = set()
         if self.world > 1:
             self._check_agreement()
 
@@ -145,10 +160,16 @@ class Dispatcher:
         if topk_weights.shape != topk_idx.shape:
             raise ValueError(f"fp8a2a: topk_weights {tuple(topk_weights.shape)} must match topk_idx "
                              f"{tuple(topk_idx.shape)}")
+        handle = DispatchHandle(self, topk_idx, topk_weights, send_pos=None, hidden=x.shape[1], dtype=x.dtype)
+        if self.capacity_factor is not None:
+            t, k = topk_idx.shape
+            c = max(1, math.ceil(self.capacity_factor * t * k / self.num_experts))
+            handle.expert_capacity, handle.rank_capacity = c, min(t, self.num_local_experts * c)
+            topk_idx, handle.dropped = self._drop_to_capacity(topk_idx, topk_weights, c)
         if self.tp > 1:
             topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
-        handle = DispatchHandle(self, topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
-                                send_pos=None, hidden=x.shape[1], dtype=x.dtype)
+        handle.topk_idx = topk_idx.contiguous()
+        handle.topk_weights = topk_weights.detach().float().contiguous()
         rows, weights, data, scale, tpe = _DispatchFn.apply(x, topk_weights, handle)
         handle.weights = weights
         if handle.wire == ops.RAW:
@@ -182,6 +203,23 @@ class Dispatcher:
         idx = torch.where(valid, virtual, bad).flatten(1)
         return idx, topk_weights.unsqueeze(-1).expand(*topk_weights.shape, tp).flatten(1)
 
+    def _drop_to_capacity(self, topk_idx, topk_weights, capacity):
+        """Keep, per expert, the `capacity` slots of this rank with the highest router weight (ties:
+        earlier token). Dropped slots become -1. Static shapes, no host sync."""
+        e_count = self.num_experts
+        valid = (topk_idx >= 0) & (topk_idx < e_count)
+        expert = torch.where(valid, topk_idx, e_count).flatten().long()
+        score = torch.where(valid, topk_weights.detach().float(), float("-inf")).flatten()
+        by_weight = torch.argsort(score, descending=True, stable=True)
+        perm = by_weight[torch.argsort(expert[by_weight], stable=True)]  # by expert, then weight
+        sizes = torch.zeros(e_count + 1, dtype=torch.long, device=expert.device).scatter_add_(
+            0, expert, torch.ones_like(expert))
+        starts = torch.cumsum(sizes, 0) - sizes
+        rank_in_expert = torch.arange(expert.numel(), device=expert.device) - starts[expert[perm]]
+        keep = torch.empty_like(valid.flatten()).scatter_(0, perm, rank_in_expert < capacity).view_as(valid)
+        dropped = (valid & ~keep).sum()
+        return torch.where(valid & ~keep, -1, topk_idx), dropped
+
     def _tensor_scale(self, x):
         if self.tensor_scale is not None:
             return self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
@@ -195,15 +233,23 @@ class Dispatcher:
         if wire == ops.RAW:
             xin = xin.view(torch.uint8)
         return ops.dispatch_pack(xin, handle.topk_idx, handle.topk_weights, self.num_experts * self.tp, self.world,
-                                 wire, tensor_scale)
+                                 wire, tensor_scale, handle.rank_capacity)
+
+    def _unpack(self, recv, handle, wire, hidden):
+        return ops.dispatch_unpack(recv, handle.recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1],
+                                   handle.num_rows, handle.rank_capacity, handle.expert_capacity)
 
     def _forward(self, x, handle):
         elem = x.element_size()
-        local = ops.RAW if x.numel() * elem < self.bf16_below_bytes else self.code
+        capacity = handle.expert_capacity > 0
+        # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
+        local = ops.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
         scale = self._tensor_scale(x) if self.code == ops.GRANULARITY["tensor"] else None
         handle.tensor_scale = scale
         send, counts, send_pos = self._pack(x, handle, local, scale)
         recv_counts = self._exchange_counts(counts)
+        if capacity:
+            return self._forward_static(x, handle, send, counts, send_pos, recv_counts)
         # The one host sync of a dispatch: what we send and what we receive, in one copy.
         host = (torch.cat([counts, recv_counts]) if self.world > 1 else counts).cpu()
         mine, theirs = host[: self.world], host[-self.world:]
@@ -218,10 +264,34 @@ class Dispatcher:
         handle.num_rows = int(per_expert.sum())
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         hidden = x.shape[1] * elem if wire == ops.RAW else x.shape[1]
-        data, scale_rows, weights, tpe, slot_pos, _ = ops.dispatch_unpack(
-            recv, recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1], handle.num_rows)
+        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire, hidden)
         handle.slot_pos = slot_pos
         return data, scale_rows, weights, tpe
+
+    def _forward_static(self, x, handle, send, counts, send_pos, recv_counts):
+        """Capacity mode: fixed splits and a fixed expert-major layout, so nothing is read on the host."""
+        key = (tuple(x.shape), handle.topk_idx.shape[1], x.dtype)
+        if key not in self._validated_shapes:  # once per new shape: the checks the sync would do
+            self._agree_on_wire(recv_counts.cpu(), x.shape[1], x.element_size())
+            if self.world > 1:  # static splits need the same tokens per rank everywhere
+                shape = torch.tensor(x.shape[:1], device=counts.device)
+                every = [torch.empty_like(shape) for _ in range(self.world)]
+                dist.all_gather(every, shape, group=self.group)
+                if len({int(v) for v in every}) != 1:
+                    raise ValueError(f"fp8a2a: capacity mode needs the same number of tokens on every rank, got "
+                                     f"{[int(v) for v in every]}")
+            self._validated_shapes.add(key)
+        handle.wire, handle.send_pos, handle.recv_counts = self.code, send_pos, recv_counts
+        handle.send_splits = handle.recv_splits = [handle.rank_capacity] * self.world
+        rows_per_expert = self.world * handle.expert_capacity
+        handle.num_rows = self.num_local_experts * rows_per_expert
+        handle.tokens_per_expert_list = [rows_per_expert] * self.num_local_experts
+        handle.invalid_ids = counts[0, ops.BAD_IDS]
+        recv = self._exchange(send, handle.send_splits, handle.recv_splits)
+        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, self.code, x.shape[1])
+        handle.slot_pos, handle.tokens_received = slot_pos, tpe
+        padded = torch.full_like(tpe, rows_per_expert)
+        return data, scale_rows, weights, padded
 
     def _agree_on_wire(self, headers, hidden, elem):
         """Check every rank's header (all ranks see all headers, so all raise together) and agree
@@ -296,8 +366,7 @@ class _CombineFn(torch.autograd.Function):
         send, _, _ = d._pack(grad_y, h, wire)
         recv = d._exchange(send, h.send_splits, h.recv_splits)
         hidden = h.hidden * grad_y.element_size() if wire == ops.RAW else h.hidden
-        data, scale, _, _, _, _ = ops.dispatch_unpack(recv, h.recv_counts.to(recv.device), hidden, wire,
-                                                      h.topk_idx.shape[1], h.num_rows)
+        data, scale, _, _, _, _ = d._unpack(recv, h, wire, hidden)
         g = data.view(h.dtype).view(h.num_rows, h.hidden).float() if wire == ops.RAW else \
             ops.dequantize(data, scale, torch.float32)
         if weights is None:

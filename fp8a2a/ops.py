@@ -50,16 +50,16 @@ def _(data, scale, dtype):
 
 
 @torch.library.register_fake("fp8a2a::dispatch_pack")
-def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale):
+def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale, rank_capacity=0):
     t, k = topk_idx.shape
-    rows = t * min(k, num_ranks)
+    rows = num_ranks * rank_capacity if rank_capacity else t * min(k, num_ranks)
     return (x.new_empty((rows, dispatch_row_bytes(x.shape[1], granularity, k)), dtype=torch.uint8),
             x.new_empty((num_ranks, COUNTS_HEADER + num_experts // num_ranks), dtype=torch.int64),
             x.new_empty((t, num_ranks), dtype=torch.int32))
 
 
 @torch.library.register_fake("fp8a2a::dispatch_unpack")
-def _(recv, recv_counts, hidden, granularity, topk, num_rows):
+def _(recv, recv_counts, hidden, granularity, topk, num_rows, rank_capacity=0, expert_capacity=0):
     n, local = num_rows, recv_counts.shape[1] - COUNTS_HEADER
     scale_shape = (n,) if granularity == 2 else _scale_shape(n, hidden, granularity)
     return (recv.new_empty((n, hidden), dtype=torch.uint8 if granularity == RAW else FP8), recv.new_empty(scale_shape, dtype=torch.float32),

@@ -85,3 +85,15 @@ def moe_reference(x, topk_idx, topk_weights, expert_fn, apply_weights=True):
             w = float(topk_weights[t, k]) if apply_weights else 1.0
             y[t] += w * expert_fn(e, x[t].double())
     return y
+
+
+def drop_to_capacity_reference(topk_idx, topk_weights, capacity: int, num_experts: int):
+    """Per expert, keep the `capacity` routed slots with the highest weight (ties: earlier slot in
+    token-major order); dropped slots become -1."""
+    idx = topk_idx.clone()
+    slots = [(float(topk_weights[t, k]), t, k) for t in range(idx.shape[0]) for k in range(idx.shape[1])]
+    for e in range(num_experts):
+        mine = sorted([s for s in slots if int(topk_idx[s[1], s[2]]) == e], key=lambda s: (-s[0], s[1], s[2]))
+        for _, t, k in mine[capacity:]:
+            idx[t, k] = -1
+    return idx

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fp8a2a
-from fp8a2a.reference import dequantize_reference, expert_major_reference, quantize_reference
+from fp8a2a.reference import (dequantize_reference, drop_to_capacity_reference, expert_major_reference,
+                              quantize_reference)
 
 from .distributed import run_ranks
 
@@ -54,21 +55,38 @@ def scenario(rank, world, cfg):
     d = fp8a2a.Dispatcher(E, granularity=gran, bf16_below_bytes=(1 << 40) if raw else 0,
                           fp8_combine=cfg.get("fp8_combine", False),
                           fp8_dispatch_backward=cfg.get("fp8_dispatch_backward", False),
-                          expert_tp_size=cfg.get("tp", 1))
+                          expert_tp_size=cfg.get("tp", 1), capacity_factor=cfg.get("capacity_factor"))
     tp = d.tp
     ep_rank, tp_rank = divmod(rank, tp)  # TP-EP group order: tp fastest
     x = xs[rank].clone().requires_grad_()
     w = ws[rank].clone().requires_grad_()
     out = d.dispatch(x, idxs[rank], w)
 
-    # Dispatch: exact rows (the reference quantization of each source token), order, weights, counts.
     views = quantized_view(xs, gran, raw)
-    rows_ref, w_ref, tpe_ref, origin = expert_major_reference(views, idxs, ws, ep_rank, E, world // tp)
-    assert out.tokens_per_expert.tolist() == tpe_ref.tolist()
-    assert isinstance(out.tokens, torch.Tensor) == raw
     rows = out.dequantized(torch.float64 if raw else torch.float32)
-    assert torch.equal(rows.double(), rows_ref.to(rows.dtype).double()), "dispatched rows differ from the reference"
-    assert torch.equal(out.weights.double(), w_ref)
+    assert isinstance(out.tokens, torch.Tensor) == raw
+    if "capacity_factor" in cfg:
+        # Drop-and-pad: each expert keeps its top-C weights per source; R * C rows per expert.
+        c = out.handle.expert_capacity
+        kept = [drop_to_capacity_reference(i, w_, c, E) for i, w_ in zip(idxs, ws)]
+        assert int(out.handle.dropped) == int(((idxs[rank] >= 0) & (kept[rank] < 0)).sum())
+        assert out.tokens_per_expert.tolist() == [world * c] * d.num_local_experts
+        idxs = kept
+        for le in range(d.num_local_experts):
+            e = rank * d.num_local_experts + le
+            for src in range(world):
+                # what source `src` sends to expert e, in token order
+                r_ref, _, _, origin = expert_major_reference([views[src]], [idxs[src]], [ws[src]], 0, E, 1)
+                sel = [n for n, (_, t, k) in enumerate(origin) if int(idxs[src][t, k]) == e]
+                block = rows[(le * world + src) * c:(le * world + src + 1) * c]
+                assert torch.equal(block[:len(sel)].double(), r_ref[sel].to(rows.dtype).double())
+                assert torch.all(block[len(sel):] == 0)  # padding
+    else:
+        # Dispatch: exact rows (the reference quantization of each source token), order, weights, counts.
+        rows_ref, w_ref, tpe_ref, origin = expert_major_reference(views, idxs, ws, ep_rank, E, world // tp)
+        assert out.tokens_per_expert.tolist() == tpe_ref.tolist()
+        assert torch.equal(rows.double(), rows_ref.to(rows.dtype).double()), "dispatched rows differ from the reference"
+        assert torch.equal(out.weights.double(), w_ref)
 
     # Experts: expert e scales its rows by (e + 1); combine; loss = <y, G>. With expert TP each TP
     # rank returns a partial (shares (j + 1) / sum(1..tp)) that combine must sum.
@@ -115,6 +133,8 @@ CASES = {
     "fp8_dispatch_backward": dict(fp8_dispatch_backward=True),
     "empty_rank": dict(tokens=[24, 0, 24, 24]),
     "receives_nothing": dict(routing="one_rank"),  # every expert lives on rank 0
+    "capacity_with_drops": dict(capacity_factor=0.5, routing="skewed"),
+    "capacity_no_drops": dict(capacity_factor=4.0, topk=4),
     "expert_tp2": dict(tp=2),
     "expert_tp2_block128": dict(tp=2, granularity="block128", topk=4),
 }

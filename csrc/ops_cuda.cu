@@ -1,0 +1,1589 @@
+// CUDA implementations of the fp8a2a ops, registered for the CUDA dispatch key.
+//
+// Every op gives the bytes of ops_cpu.cpp (same e4m3_from_f32, same scale rule with IEEE division,
+// same accumulation order with no fused multiply-add, same float -> bf16/fp16 rounding as c10's host
+// code). The one thing that can differ is the sign or payload of a NaN where arithmetic creates one
+// (x86 makes inf*0 a negative NaN, the GPU a positive one): compare NaNs as NaNs.
+//
+// No op syncs with the host, allocates by data, or reads a device value on the host: the tensor
+// scale is read inside the kernels, and every launch goes to the current stream, so all ops record
+// into CUDA graphs. Kernels (per call):
+//   quantize          1 (tensor granularity with no scale: 2, an amax pass and the quantize pass)
+//   dequantize        1
+//   dispatch_pack     2: layout (counts, scans, positions; the last block to finish does the
+//                     cross-chunk scan) and pack; plus a 4-byte memset when the layout needs more
+//                     than one block (T*K above one chunk)
+//   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
+//   combine_pack      1
+//   combine_unpack    1
+// Corrupt input cannot raise on the GPU without a sync: out-of-range positions are skipped instead
+// (their slot_pos entries are -1), out-of-range expert ids are counted in the bad-ids column.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+
+#include "ops.h"
+
+namespace fp8a2a {
+namespace {
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kMaxLayoutSteps = 8;
+constexpr int kSmemDefault = 48 * 1024;
+
+// ---------------------------------------------------------------------------------------------
+// Element conversions. float <- element is exact; element <- float reproduces c10's host code
+// (bf16: round-to-nearest-even, NaN -> 0x7FC0; fp16: IEEE round-to-nearest-even, NaN -> sign|0x7E00),
+// which is what static_cast<scalar_t>(float) does in ops_cpu.cpp.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static constexpr int kWords = 16;  // 32-bit words per unit of 16 elements
+  static __device__ __forceinline__ float get(const uint32_t* w, int j) { return __uint_as_float(w[j]); }
+  static __device__ __forceinline__ void put(uint32_t* w, int j, float f) { w[j] = __float_as_uint(f); }
+  static __device__ __forceinline__ float load1(const float* p) { return *p; }
+  static __device__ __forceinline__ void store1(float* p, float f) { *p = f; }
+};
+
+__device__ __forceinline__ uint16_t bf16_bits(float f) {
+  if (f != f) return 0x7FC0u;
+  const uint32_t u = __float_as_uint(f);
+  return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+__device__ __forceinline__ uint16_t fp16_bits(float f) {
+  if (f != f) return static_cast<uint16_t>(((__float_as_uint(f) >> 16) & 0x8000u) | 0x7E00u);
+  return __half_as_ushort(__float2half_rn(f));
+}
+
+template <>
+struct Elem<c10::BFloat16> {
+  static constexpr int kWords = 8;
+  static __device__ __forceinline__ float get(const uint32_t* w, int j) {
+    const uint32_t v = w[j >> 1];
+    return __uint_as_float((j & 1) ? (v & 0xffff0000u) : (v << 16));
+  }
+  static __device__ __forceinline__ void put(uint32_t* w, int j, float f) {
+    const uint32_t b = bf16_bits(f);
+    w[j >> 1] = (j & 1) ? ((w[j >> 1] & 0xffffu) | (b << 16)) : b;
+  }
+  static __device__ __forceinline__ float load1(const c10::BFloat16* p) {
+    return __uint_as_float(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(p)) << 16);
+  }
+  static __device__ __forceinline__ void store1(c10::BFloat16* p, float f) {
+    *reinterpret_cast<uint16_t*>(p) = bf16_bits(f);
+  }
+};
+
+template <>
+struct Elem<c10::Half> {
+  static constexpr int kWords = 8;
+  static __device__ __forceinline__ float get(const uint32_t* w, int j) {
+    const uint32_t v = w[j >> 1];
+    return __half2float(__ushort_as_half(static_cast<unsigned short>((j & 1) ? (v >> 16) : (v & 0xffffu))));
+  }
+  static __device__ __forceinline__ void put(uint32_t* w, int j, float f) {
+    const uint32_t b = fp16_bits(f);
+    w[j >> 1] = (j & 1) ? ((w[j >> 1] & 0xffffu) | (b << 16)) : b;
+  }
+  static __device__ __forceinline__ float load1(const c10::Half* p) {
+    return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
+  }
+  static __device__ __forceinline__ void store1(c10::Half* p, float f) {
+    *reinterpret_cast<uint16_t*>(p) = fp16_bits(f);
+  }
+};
+
+// A "unit" is 16 consecutive elements of a row: 16 e4m3 bytes = one 16-byte access on the fp8 side,
+// 1, 2 or 4 16-byte accesses on the activation side.
+template <typename T>
+__device__ __forceinline__ void load_unit(const T* row, int64_t u, uint32_t (&w)[Elem<T>::kWords]) {
+  const uint4* src = reinterpret_cast<const uint4*>(row) + u * (Elem<T>::kWords / 4);
+#pragma unroll
+  for (int i = 0; i < Elem<T>::kWords / 4; ++i) {
+    const uint4 q = __ldg(src + i);
+    w[4 * i] = q.x;
+    w[4 * i + 1] = q.y;
+    w[4 * i + 2] = q.z;
+    w[4 * i + 3] = q.w;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_unit(T* row, int64_t u, const uint32_t (&w)[Elem<T>::kWords]) {
+  uint4* dst = reinterpret_cast<uint4*>(row) + u * (Elem<T>::kWords / 4);
+#pragma unroll
+  for (int i = 0; i < Elem<T>::kWords / 4; ++i) dst[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+}
+
+__device__ __forceinline__ uint4 load_fp8_unit(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ float fp8_word_elem(const uint4& q, int j) {
+  const uint32_t w = j < 4 ? q.x : j < 8 ? q.y : j < 12 ? q.z : q.w;
+  return f32_from_e4m3(static_cast<uint8_t>(w >> (8 * (j & 3))));
+}
+
+// The dequant scale of an amax. Same value as dequant_scale(); for a NaN amax it returns that NaN
+// itself (amax_step's NAN), which is the bit pattern the host division produces, where the GPU
+// division would return its canonical NaN.
+__device__ __forceinline__ float scale_of(float amax) { return amax != amax ? amax : dequant_scale(amax); }
+
+__device__ __forceinline__ float warp_amax(float m) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = amax_step(m, __shfl_xor_sync(kFull, m, o));
+  return m;
+}
+
+// amax over 8 consecutive lanes (the 8 units of one 128-block)
+__device__ __forceinline__ float group8_amax(float m) {
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) m = amax_step(m, __shfl_xor_sync(kFull, m, o));
+  return m;
+}
+
+__device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d, float q) {
+  return static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(a, q))) |
+         (static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(b, q))) << 8) |
+         (static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(c, q))) << 16) |
+         (static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(d, q))) << 24);
+}
+
+template <typename T>
+__device__ __forceinline__ float unit_amax(const uint32_t (&w)[Elem<T>::kWords]) {
+  float m = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) m = amax_step(m, Elem<T>::get(w, j));
+  return m;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 quantize_unit(const uint32_t (&w)[Elem<T>::kWords], float q) {
+  uint4 r;
+  r.x = pack4(Elem<T>::get(w, 0), Elem<T>::get(w, 1), Elem<T>::get(w, 2), Elem<T>::get(w, 3), q);
+  r.y = pack4(Elem<T>::get(w, 4), Elem<T>::get(w, 5), Elem<T>::get(w, 6), Elem<T>::get(w, 7), q);
+  r.z = pack4(Elem<T>::get(w, 8), Elem<T>::get(w, 9), Elem<T>::get(w, 10), Elem<T>::get(w, 11), q);
+  r.w = pack4(Elem<T>::get(w, 12), Elem<T>::get(w, 13), Elem<T>::get(w, 14), Elem<T>::get(w, 15), q);
+  return r;
+}
+
+template <typename IdxT>
+__device__ __forceinline__ int64_t load_idx(const IdxT* p);
+template <>
+__device__ __forceinline__ int64_t load_idx<int64_t>(const int64_t* p) {
+  return static_cast<int64_t>(__ldg(reinterpret_cast<const long long*>(p)));
+}
+template <>
+__device__ __forceinline__ int64_t load_idx<int32_t>(const int32_t* p) {
+  return static_cast<int64_t>(__ldg(reinterpret_cast<const int*>(p)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host helpers
+// ---------------------------------------------------------------------------------------------
+int num_sms(int device) {
+  static int cache[256] = {0};
+  if (device < 0 || device >= 256) return 132;
+  if (cache[device] == 0) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    cache[device] = n > 0 ? n : 132;
+  }
+  return cache[device];
+}
+
+int max_smem_optin(int device) {
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return n;
+}
+
+template <typename Kernel>
+void ensure_smem(Kernel kernel, size_t bytes, int device, const char* what) {
+  if (bytes <= static_cast<size_t>(kSmemDefault)) return;
+  TORCH_CHECK(bytes <= static_cast<size_t>(max_smem_optin(device)), "fp8a2a: ", what, " needs ", bytes,
+              " bytes of shared memory, more than this GPU offers (too many ranks/experts/top-k for the CUDA kernel)");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int round_up32(int64_t n) { return static_cast<int>(std::max<int64_t>(32, (n + 31) / 32 * 32)); }
+
+// Units per thread for the vectorized row kernels: 1 (<= 512 units, H <= 8192), else 2 (H <= 32768).
+// Returns 0 when the row is too wide for the vectorized kernels (scalar path).
+int units_per_thread(int64_t units) {
+  if (units <= 512) return 1;
+  if (units <= 2048) return 2;
+  return 0;
+}
+
+#define FP8A2A_DISPATCH_FLOAT(TYPE, NAME, ...)                                        \
+  [&] {                                                                               \
+    switch (TYPE) {                                                                   \
+      case at::kFloat: {                                                              \
+        using scalar_t = float;                                                       \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      case at::kHalf: {                                                               \
+        using scalar_t = c10::Half;                                                   \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      case at::kBFloat16: {                                                           \
+        using scalar_t = c10::BFloat16;                                               \
+        return __VA_ARGS__();                                                         \
+      }                                                                               \
+      default:                                                                        \
+        TORCH_CHECK(false, "fp8a2a: ", NAME, ": unsupported dtype ", TYPE);           \
+    }                                                                                 \
+  }()
+
+// =============================================================================================
+// quantize
+// =============================================================================================
+struct QuantParams {
+  const void* x;
+  uint8_t* data;
+  float* scales;             // [T] row, [T, H/128] block128; unused for tensor
+  const float* tscale;       // tensor: the given dequant scale (device), or nullptr
+  const float* partials;     // tensor without a given scale: per-block amax partials
+  int num_partials;
+  float* scale_out;          // tensor: where block 0 writes the scale
+  int64_t T, H;
+  int gran;
+};
+
+// Tensor granularity: (q, s) from the given scale or from the amax partials; s is the stored scale.
+// Needs a __syncthreads() between this and the use of s_red when partials are reduced.
+__device__ __forceinline__ float reduce_partials(const float* partials, int n, float* s_red) {
+  float m = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) m = amax_step(m, __ldg(partials + i));
+  m = warp_amax(m);
+  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  float r = 0.0f;
+  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) r = amax_step(r, s_red[i]);
+  __syncthreads();
+  return r;
+}
+
+template <typename T>
+__global__ void tensor_amax_kernel(const T* x, int64_t numel, float* partials) {
+  __shared__ float s_red[32];
+  float m = 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (aligned16(x)) {
+    const int64_t units = numel / 16;
+    for (int64_t u = tid; u < units; u += stride) {
+      uint32_t w[Elem<T>::kWords];
+      load_unit<T>(x, u, w);
+      m = amax_step(m, unit_amax<T>(w));
+    }
+    for (int64_t i = units * 16 + tid; i < numel; i += stride) m = amax_step(m, Elem<T>::load1(x + i));
+  } else {
+    for (int64_t i = tid; i < numel; i += stride) m = amax_step(m, Elem<T>::load1(x + i));
+  }
+  m = warp_amax(m);
+  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float r = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) r = amax_step(r, s_red[i]);
+    partials[blockIdx.x] = r;
+  }
+}
+
+__device__ __forceinline__ void tensor_qs(const QuantParams& p, float* s_red, float& q, float& s) {
+  if (p.partials != nullptr) {
+    s = scale_of(reduce_partials(p.partials, p.num_partials, s_red));
+  } else {
+    s = __ldg(p.tscale);
+  }
+  q = 1.0f / s;  // IEEE division, as ops_cpu.cpp's tensor_scales()
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.scale_out = s;
+}
+
+// One block per row, UPT units per thread, 16-byte accesses.
+template <typename T, int UPT>
+__global__ void __launch_bounds__(1024) quantize_vec_kernel(QuantParams p) {
+  __shared__ float s_red[32];
+  const int64_t t = blockIdx.x;
+  const int64_t U = p.H / 16;
+  const T* xrow = reinterpret_cast<const T*>(p.x) + t * p.H;
+  uint32_t w[UPT][Elem<T>::kWords];
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) load_unit<T>(xrow, u, w[j]);
+  }
+  float q[UPT];
+  if (p.gran == kTensor) {
+    float s;
+    tensor_qs(p, s_red, q[0], s);
+#pragma unroll
+    for (int j = 1; j < UPT; ++j) q[j] = q[0];
+  } else if (p.gran == kBlock128) {
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      const float m = group8_amax(u < U ? unit_amax<T>(w[j]) : 0.0f);
+      q[j] = quant_multiplier(m);
+      if (u < U && (u & 7) == 0) p.scales[t * (p.H / kBlock) + (u >> 3)] = scale_of(m);
+    }
+  } else {
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (u < U) m = amax_step(m, unit_amax<T>(w[j]));
+    }
+    m = warp_amax(m);
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) m = amax_step(m, s_red[i]);
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(m);
+    if (threadIdx.x == 0) p.scales[t] = scale_of(m);
+  }
+  uint8_t* out = p.data + t * p.H;
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) reinterpret_cast<uint4*>(out)[u] = quantize_unit<T>(w[j], q[j]);
+  }
+}
+
+// Any H, any alignment: one block per row, element by element.
+template <typename T>
+__global__ void quantize_scalar_kernel(QuantParams p) {
+  extern __shared__ float s_amax[];  // block128: one amax per block
+  __shared__ float s_red[32];
+  const int64_t t = blockIdx.x, H = p.H;
+  const T* xrow = reinterpret_cast<const T*>(p.x) + t * H;
+  uint8_t* out = p.data + t * H;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  if (p.gran == kTensor) {
+    float q, s;
+    tensor_qs(p, s_red, q, s);
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), q));
+    return;
+  }
+  if (p.gran == kBlock128) {
+    const int64_t nb = H / kBlock;
+    for (int64_t b = warp; b < nb; b += nwarps) {
+      float m = 0.0f;
+      for (int i = lane; i < kBlock; i += 32) m = amax_step(m, Elem<T>::load1(xrow + b * kBlock + i));
+      m = warp_amax(m);
+      if (lane == 0) {
+        s_amax[b] = m;
+        p.scales[t * nb + b] = scale_of(m);
+      }
+    }
+    __syncthreads();
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x)
+      out[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), quant_multiplier(s_amax[h / kBlock])));
+    return;
+  }
+  float m = 0.0f;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) m = amax_step(m, Elem<T>::load1(xrow + h));
+  m = warp_amax(m);
+  if (lane == 0) s_red[warp] = m;
+  __syncthreads();
+  m = 0.0f;
+  for (int i = 0; i < nwarps; ++i) m = amax_step(m, s_red[i]);
+  const float q = quant_multiplier(m);
+  // ops_cpu.cpp writes no row scale when H == 0 (its loop over blocks is empty); write 1 then.
+  if (threadIdx.x == 0) p.scales[t] = H == 0 ? 1.0f : scale_of(m);
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), q));
+}
+
+// =============================================================================================
+// dequantize
+// =============================================================================================
+template <typename T>
+__global__ void dequantize_vec_kernel(const uint8_t* in, const float* scale, T* out, int64_t units, int64_t span) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
+    const uint4 q = load_fp8_unit(in + u * 16);
+    const float s = __ldg(scale + (span ? (u * 16) / span : 0));
+    uint32_t w[Elem<T>::kWords];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) Elem<T>::put(w, j, __fmul_rn(fp8_word_elem(q, j), s));
+    store_unit<T>(out, u, w);
+  }
+}
+
+template <typename T>
+__global__ void dequantize_scalar_kernel(const uint8_t* in, const float* scale, T* out, int64_t n, int64_t span) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    Elem<T>::store1(out + i, __fmul_rn(f32_from_e4m3(in[i]), __ldg(scale + (span ? i / span : 0))));
+}
+
+// =============================================================================================
+// dispatch_pack: layout kernel
+// =============================================================================================
+// The flattened slots (t, k) of topk_idx are cut into chunks of chunk_slots; each chunk is one block
+// of W warps, each warp owning `steps` consecutive groups of 32 slots. Positions follow the slot
+// order, which is token order: (rank, local expert) positions count slots, rank rows count the
+// first slot of each token that reaches the rank ("rank leader").
+// Per chunk: pass 0 counts per warp (match_any groups equal keys), the counts are scanned across
+// warps (chunk totals go to chunk_off[chunk]), pass 1 assigns in-chunk positions.
+// The last block to finish scans chunk_off across chunks (exclusive) and writes counts and rank_off.
+struct LayoutParams {
+  const void* idx;
+  int64_t TK;
+  int K, E, El, R, cols, chunk_slots, steps, nchunks;
+  int64_t H;
+  int2* slot_rank;  // [TK]: (position within (rank, expert) in the chunk, or -1; row within rank in the chunk, or -1)
+  int* chunk_off;   // [nchunks, cols]: chunk totals, then exclusive prefix over chunks
+  int* rank_off;    // [R]: first send row of each rank
+  int64_t* counts;  // [R, 4 + El]
+  unsigned* done;
+};
+
+template <typename IdxT>
+__global__ void __launch_bounds__(512) dispatch_layout_kernel(LayoutParams p) {
+  extern __shared__ int hist[];  // [W, cols]
+  __shared__ bool s_last;
+  const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int cols = p.cols;
+  const IdxT* idx = reinterpret_cast<const IdxT*>(p.idx);
+  for (int i = threadIdx.x; i < W * cols; i += blockDim.x) hist[i] = 0;
+  __syncthreads();
+
+  const int64_t wbase = static_cast<int64_t>(blockIdx.x) * p.chunk_slots + static_cast<int64_t>(warp) * p.steps * 32;
+  int* h = hist + warp * cols;
+  const unsigned lt = (1u << lane) - 1u;
+  const bool aligned_tokens = (32 % p.K) == 0;  // a token's slots never straddle a group of 32
+  int64_t ev[kMaxLayoutSteps];
+#pragma unroll
+  for (int s = 0; s < kMaxLayoutSteps; ++s) {
+    const int64_t slot = wbase + s * 32 + lane;
+    ev[s] = (s < p.steps && slot < p.TK) ? load_idx<IdxT>(idx + slot) : INT64_MIN;
+  }
+
+  for (int pass = 0; pass < 2; ++pass) {
+#pragma unroll
+    for (int s = 0; s < kMaxLayoutSteps; ++s) {
+      if (s >= p.steps) break;
+      const int64_t slot = wbase + s * 32 + lane;
+      const int64_t e64 = ev[s];
+      const bool in = slot < p.TK;
+      const bool valid = in && e64 >= 0 && e64 < p.E;
+      const bool bad = in && !valid && e64 != -1;
+      const int e = valid ? static_cast<int>(e64) : -1;
+      const int r = valid ? e / p.El : -1;
+      bool lead = valid;
+      if (aligned_tokens) {
+        const int k = lane % p.K;
+        for (int j = 1; j < p.K; ++j) {
+          const int o = __shfl_up_sync(kFull, r, j);
+          if (j <= k && o == r) lead = false;
+        }
+      } else if (valid) {
+        const int64_t t = slot / p.K;
+        const int k = static_cast<int>(slot - t * p.K);
+        for (int j = 0; j < k; ++j) {
+          const int64_t o = load_idx<IdxT>(idx + t * p.K + j);
+          if (o >= 0 && o < p.E && static_cast<int>(o) / p.El == r) {
+            lead = false;
+            break;
+          }
+        }
+      }
+      const int rk = lead ? r : -1;
+      const unsigned me = __match_any_sync(kFull, e);
+      const unsigned mr = __match_any_sync(kFull, rk);
+      const bool e_first = e >= 0 && (__ffs(me) - 1) == lane;
+      const bool r_first = rk >= 0 && (__ffs(mr) - 1) == lane;
+      if (pass == 0) {
+        if (e_first) h[e] += __popc(me);
+        if (r_first) h[p.E + rk] += __popc(mr);
+        const unsigned mb = __ballot_sync(kFull, bad);
+        if (lane == 0) h[p.E + p.R] += __popc(mb);
+      } else {
+        const int pos = e >= 0 ? h[e] + __popc(me & lt) : -1;
+        const int row = rk >= 0 ? h[p.E + rk] + __popc(mr & lt) : -1;
+        __syncwarp();
+        if (e_first) h[e] += __popc(me);
+        if (r_first) h[p.E + rk] += __popc(mr);
+        if (in) p.slot_rank[slot] = make_int2(pos, row);
+      }
+      __syncwarp();
+    }
+    if (pass == 0) {
+      __syncthreads();
+      for (int col = threadIdx.x; col < cols; col += blockDim.x) {
+        int run = 0;
+        for (int w = 0; w < W; ++w) {
+          const int v = hist[w * cols + col];
+          hist[w * cols + col] = run;
+          run += v;
+        }
+        p.chunk_off[static_cast<int64_t>(blockIdx.x) * cols + col] = run;
+      }
+      __syncthreads();
+    }
+  }
+
+  // ---- last block: scan the chunk totals, write counts and rank offsets ----
+  if (p.nchunks > 1) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(p.done, 1u) == static_cast<unsigned>(p.nchunks - 1);
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+  } else {
+    __syncthreads();
+  }
+  int* tot = hist;  // [cols]
+  for (int col = threadIdx.x; col < cols; col += blockDim.x) {
+    int run = 0;
+    for (int c0 = 0; c0 < p.nchunks; c0 += 32) {
+      int v[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        v[j] = c0 + j < p.nchunks ? __ldcg(p.chunk_off + static_cast<int64_t>(c0 + j) * cols + col) : 0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (c0 + j < p.nchunks) {
+          p.chunk_off[static_cast<int64_t>(c0 + j) * cols + col] = run;
+          run += v[j];
+        }
+      }
+    }
+    tot[col] = run;
+  }
+  __syncthreads();
+  const int C = kColExperts + p.El;
+  for (int i = threadIdx.x; i < p.R * C; i += blockDim.x) {
+    const int r = i / C, c = i - r * C;
+    int64_t v;
+    if (c == kColHidden) v = p.H;
+    else if (c == kColTopk) v = p.K;
+    else if (c == kColBadIds) v = tot[p.E + p.R];
+    else if (c == kColRows) v = tot[p.E + r];
+    else v = tot[r * p.El + (c - kColExperts)];
+    p.counts[i] = v;
+  }
+  if (warp == 0) {
+    int carry = 0;
+    for (int b = 0; b < p.R; b += 32) {
+      const int r = b + lane;
+      const int v = r < p.R ? tot[p.E + r] : 0;
+      int inc = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(kFull, inc, o);
+        if (lane >= o) inc += n;
+      }
+      if (r < p.R) p.rank_off[r] = carry + inc - v;
+      carry += __shfl_sync(kFull, inc, 31);
+    }
+  }
+}
+
+// =============================================================================================
+// dispatch_pack: pack kernel (one block per token: read once, quantize once, write per rank)
+// =============================================================================================
+struct PackParams {
+  const void* x;
+  const void* idx;
+  const float* w;
+  const float* tscale;
+  const int2* slot_rank;
+  const int* chunk_off;
+  const int* rank_off;
+  uint8_t* send;
+  int* send_pos;
+  int64_t T, H, row_bytes;
+  int K, E, El, R, cols, chunk_slots, gran;
+  int scale_off, weight_off, expert_off, pos_off;
+};
+
+struct RouteSmem {
+  int* rank;   // [K] destination rank of slot k, -1 if not routed
+  int* row;    // [K] send row if slot k is the first slot of its rank, else -1
+  int* le;     // [K] local expert id
+  int* pos;    // [K] position within (rank, local expert)
+  float* w;    // [K]
+  float* red;  // [32]
+  float* amax; // [H/128] block128 amaxes
+};
+
+__device__ __forceinline__ RouteSmem carve_route_smem(unsigned char* smem, int K) {
+  RouteSmem s;
+  s.rank = reinterpret_cast<int*>(smem);
+  s.row = s.rank + K;
+  s.le = s.row + K;
+  s.pos = s.le + K;
+  s.w = reinterpret_cast<float*>(s.pos + K);
+  s.red = s.w + K;
+  s.amax = s.red + 32;
+  return s;
+}
+
+size_t route_smem_bytes(int64_t K, int64_t num_block_scales) { return (5 * K + 32 + num_block_scales) * 4; }
+
+template <typename IdxT>
+__device__ __forceinline__ void load_routing(const PackParams& p, int64_t t, const RouteSmem& s) {
+  for (int k = threadIdx.x; k < p.K; k += blockDim.x) {
+    const int64_t slot = t * p.K + k;
+    const int64_t e = load_idx<IdxT>(reinterpret_cast<const IdxT*>(p.idx) + slot);
+    int rank = -1, row = -1, le = -1, pos = -1;
+    float wt = 0.0f;
+    if (e >= 0 && e < p.E) {
+      const int ei = static_cast<int>(e);
+      rank = ei / p.El;
+      le = ei - rank * p.El;
+      const int2 sr = p.slot_rank[slot];
+      const int* co = p.chunk_off + (slot / p.chunk_slots) * p.cols;
+      pos = __ldg(co + ei) + sr.x;
+      if (sr.y >= 0) row = __ldg(p.rank_off + rank) + __ldg(co + p.E + rank) + sr.y;
+      wt = __ldg(p.w + slot);
+    }
+    s.rank[k] = rank;
+    s.row[k] = row;
+    s.le[k] = le;
+    s.pos[k] = pos;
+    s.w[k] = wt;
+  }
+}
+
+// send_pos[t, r]: the send row of token t for rank r, or -1.
+__device__ __forceinline__ void write_send_pos(const PackParams& p, int64_t t, const RouteSmem& s) {
+  for (int r = threadIdx.x; r < p.R; r += blockDim.x) {
+    int v = -1;
+    for (int k = 0; k < p.K; ++k)
+      if (s.rank[k] == r && s.row[k] >= 0) v = s.row[k];
+    p.send_pos[t * p.R + r] = v;
+  }
+}
+
+// One 32-bit word of a row's tail, at byte offset off >= scale_off (4-aligned), for rank r.
+__device__ __forceinline__ uint32_t dispatch_tail_word(const PackParams& p, int64_t off, int r, float row_scale,
+                                                       const RouteSmem& s) {
+  if (off < p.weight_off) {
+    if (p.gran == kBlock128) return __float_as_uint(scale_of(s.amax[(off - p.scale_off) >> 2]));
+    return __float_as_uint(row_scale);
+  }
+  if (off < p.expert_off) {
+    const int k = static_cast<int>((off - p.weight_off) >> 2);
+    return s.rank[k] == r ? __float_as_uint(s.w[k]) : 0u;
+  }
+  if (off < p.pos_off) {
+    const int k = static_cast<int>((off - p.expert_off) >> 2);
+    return s.rank[k] == r ? static_cast<uint32_t>(s.le[k]) : 0xffffffffu;
+  }
+  if (off < p.pos_off + 4 * static_cast<int64_t>(p.K)) {
+    const int k = static_cast<int>((off - p.pos_off) >> 2);
+    return s.rank[k] == r ? static_cast<uint32_t>(s.pos[k]) : 0xffffffffu;
+  }
+  return 0u;
+}
+
+// H % 16 == 0, 16-byte aligned x: UPT units of 16 elements per thread.
+template <typename T, typename IdxT, int UPT>
+__global__ void __launch_bounds__(1024) dispatch_pack_vec_kernel(PackParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const RouteSmem s = carve_route_smem(smem, p.K);
+  const int64_t t = blockIdx.x;
+  const int64_t U = p.H / 16;
+  const T* xrow = reinterpret_cast<const T*>(p.x) + t * p.H;
+  uint32_t w[UPT][Elem<T>::kWords];
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) load_unit<T>(xrow, u, w[j]);
+  }
+  load_routing<IdxT>(p, t, s);
+
+  float q[UPT];
+  float row_scale = 0.0f;
+  float rm = 0.0f;
+  if (p.gran == kTensor) {
+    row_scale = __ldg(p.tscale);
+    const float tq = 1.0f / row_scale;  // IEEE division, as ops_cpu.cpp
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) q[j] = tq;
+  } else if (p.gran == kBlock128) {
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      const float m = group8_amax(u < U ? unit_amax<T>(w[j]) : 0.0f);
+      q[j] = quant_multiplier(m);
+      if (u < U && (u & 7) == 0) s.amax[u >> 3] = m;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (u < U) rm = amax_step(rm, unit_amax<T>(w[j]));
+    }
+    rm = warp_amax(rm);
+    if ((threadIdx.x & 31) == 0) s.red[threadIdx.x >> 5] = rm;
+  }
+  __syncthreads();
+  if (p.gran == kRow) {
+    rm = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) rm = amax_step(rm, s.red[i]);
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(rm);
+    row_scale = p.H == 0 ? 0.0f : scale_of(rm);  // ops_cpu.cpp leaves the zero fill when H == 0
+  }
+  uint4 out[UPT];
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) out[j] = quantize_unit<T>(w[j], q[j]);
+  }
+  write_send_pos(p, t, s);
+
+  const int64_t tail_vecs = (p.row_bytes - p.H) / 16;
+  for (int k = 0; k < p.K; ++k) {
+    const int row = s.row[k];
+    if (row < 0) continue;
+    const int r = s.rank[k];
+    uint8_t* dst = p.send + static_cast<int64_t>(row) * p.row_bytes;
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (u < U) reinterpret_cast<uint4*>(dst)[u] = out[j];
+    }
+    for (int64_t v = threadIdx.x; v < tail_vecs; v += blockDim.x) {
+      const int64_t off = p.H + 16 * v;
+      uint4 o;
+      o.x = dispatch_tail_word(p, off, r, row_scale, s);
+      o.y = dispatch_tail_word(p, off + 4, r, row_scale, s);
+      o.z = dispatch_tail_word(p, off + 8, r, row_scale, s);
+      o.w = dispatch_tail_word(p, off + 12, r, row_scale, s);
+      reinterpret_cast<uint4*>(dst + p.H)[v] = o;
+    }
+  }
+}
+
+// Any H, any alignment of x: element by element.
+template <typename T, typename IdxT>
+__global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const RouteSmem s = carve_route_smem(smem, p.K);
+  const int64_t t = blockIdx.x, H = p.H;
+  const T* xrow = reinterpret_cast<const T*>(p.x) + t * H;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  load_routing<IdxT>(p, t, s);
+  float rm = 0.0f;
+  if (p.gran == kBlock128) {
+    const int64_t nb = H / kBlock;
+    for (int64_t b = warp; b < nb; b += nwarps) {
+      float m = 0.0f;
+      for (int i = lane; i < kBlock; i += 32) m = amax_step(m, Elem<T>::load1(xrow + b * kBlock + i));
+      m = warp_amax(m);
+      if (lane == 0) s.amax[b] = m;
+    }
+  } else if (p.gran == kRow) {
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) rm = amax_step(rm, Elem<T>::load1(xrow + h));
+    rm = warp_amax(rm);
+    if (lane == 0) s.red[warp] = rm;
+  }
+  __syncthreads();
+  float q = 0.0f, row_scale = 0.0f;
+  if (p.gran == kTensor) {
+    row_scale = __ldg(p.tscale);
+    q = 1.0f / row_scale;
+  } else if (p.gran == kRow) {
+    rm = 0.0f;
+    for (int i = 0; i < nwarps; ++i) rm = amax_step(rm, s.red[i]);
+    q = quant_multiplier(rm);
+    row_scale = H == 0 ? 0.0f : scale_of(rm);
+  }
+  write_send_pos(p, t, s);
+  for (int k = 0; k < p.K; ++k) {
+    const int row = s.row[k];
+    if (row < 0) continue;
+    const int r = s.rank[k];
+    uint8_t* dst = p.send + static_cast<int64_t>(row) * p.row_bytes;
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+      const float qh = p.gran == kBlock128 ? quant_multiplier(s.amax[h / kBlock]) : q;
+      dst[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), qh));
+    }
+    for (int64_t h = H + threadIdx.x; h < p.scale_off; h += blockDim.x) dst[h] = 0;
+    for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
+      *reinterpret_cast<uint32_t*>(dst + off) = dispatch_tail_word(p, off, r, row_scale, s);
+  }
+}
+
+// =============================================================================================
+// dispatch_unpack: one warp per received row, tables built per block from recv_counts
+// =============================================================================================
+struct UnpackParams {
+  const uint8_t* recv;
+  const int64_t* counts;
+  uint8_t* data;
+  float* scale;
+  float* weights;
+  int64_t* tpe;
+  int* slot_pos;
+  int* row_src;
+  int64_t Nr, N, H, row_bytes;
+  int K, R, El, C, ns;
+  int scale_off, weight_off, expert_off, pos_off;
+  bool vec;
+};
+
+size_t unpack_smem_bytes(int64_t R, int64_t C, int64_t El, int64_t K, int warps) {
+  return (R * C + R * El + El + (R + 1)) * 8 + static_cast<size_t>(warps) * K * 4;
+}
+
+// Exclusive scan of v[0, n) in place by one warp; returns the total.
+__device__ __forceinline__ int64_t warp_exclusive_scan(int64_t* v, int n) {
+  const int lane = threadIdx.x & 31;
+  int64_t carry = 0;
+  for (int b = 0; b < n; b += 32) {
+    const int i = b + lane;
+    const int64_t x = i < n ? v[i] : 0;
+    int64_t inc = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t y = __shfl_up_sync(kFull, inc, o);
+      if (lane >= o) inc += y;
+    }
+    if (i < n) v[i] = carry + inc - x;
+    carry += __shfl_sync(kFull, inc, 31);
+  }
+  return carry;
+}
+
+__global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  int64_t* s_counts = reinterpret_cast<int64_t*>(smem);  // [R, C]
+  int64_t* s_base = s_counts + p.R * p.C;                  // [R, El] first expert-major row of (r, e)
+  int64_t* s_est = s_base + p.R * p.El;                    // [El] tokens per expert, then expert start
+  int64_t* s_rst = s_est + p.El;                           // [R + 1] first received row of each rank
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
+  int* s_tgt = reinterpret_cast<int*>(s_rst + p.R + 1) + warp * p.K;
+
+  for (int i = threadIdx.x; i < p.R * p.C; i += blockDim.x) s_counts[i] = __ldg(reinterpret_cast<const long long*>(p.counts) + i);
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.El; e += blockDim.x) {
+    int64_t sum = 0;
+    for (int r = 0; r < p.R; ++r) sum += s_counts[r * p.C + kColExperts + e];
+    s_est[e] = sum;
+    if (blockIdx.x == 0) p.tpe[e] = sum;
+  }
+  if (warp == 1 || (W == 1 && warp == 0)) {
+    for (int r = lane; r < p.R; r += 32) s_rst[r] = s_counts[r * p.C + kColRows];
+  }
+  __syncthreads();
+  if (warp == 0) warp_exclusive_scan(s_est, p.El);
+  if (warp == (W > 1 ? 1 : 0)) {
+    __syncwarp();
+    const int64_t total = warp_exclusive_scan(s_rst, p.R);
+    if (lane == 0) s_rst[p.R] = total;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.El; e += blockDim.x) {
+    int64_t run = s_est[e];
+    for (int r = 0; r < p.R; ++r) {
+      s_base[r * p.El + e] = run;
+      run += s_counts[r * p.C + kColExperts + e];
+    }
+  }
+  __syncthreads();
+
+  const int64_t U = p.H / 16;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * W + warp; i < p.Nr; i += static_cast<int64_t>(gridDim.x) * W) {
+    int r = -1;
+    if (i >= 0 && i < s_rst[p.R]) {
+      int lo = 0, hi = p.R - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_rst[mid] <= i) lo = mid;
+        else hi = mid - 1;
+      }
+      r = lo;
+    }
+    const uint8_t* row = p.recv + i * p.row_bytes;
+    int ntgt = 0;
+    for (int k0 = 0; k0 < p.K; k0 += 32) {
+      const int k = k0 + lane;
+      int n = -1;
+      float wt = 0.0f;
+      if (k < p.K && r >= 0) {
+        const int ex = __ldg(reinterpret_cast<const int*>(row + p.expert_off) + k);
+        const int ps = __ldg(reinterpret_cast<const int*>(row + p.pos_off) + k);
+        if (ex >= 0 && ex < p.El && ps >= 0 && ps < s_counts[r * p.C + kColExperts + ex]) {
+          const int64_t nn = s_base[r * p.El + ex] + ps;
+          if (nn >= 0 && nn < p.N) n = static_cast<int>(nn);
+        }
+        wt = __ldg(reinterpret_cast<const float*>(row + p.weight_off) + k);
+      }
+      if (k < p.K) p.slot_pos[i * p.K + k] = n;
+      if (n >= 0) {
+        p.weights[n] = wt;
+        p.row_src[n] = static_cast<int>(i);
+      }
+      const unsigned m = __ballot_sync(kFull, n >= 0);
+      if (n >= 0) s_tgt[ntgt + __popc(m & ((1u << lane) - 1u))] = n;
+      ntgt += __popc(m);
+    }
+    __syncwarp();
+    // scales of each target
+    for (int j = 0; j < ntgt; ++j) {
+      const int64_t n = s_tgt[j];
+      for (int c = lane; c < p.ns; c += 32)
+        p.scale[n * p.ns + c] = __ldg(reinterpret_cast<const float*>(row + p.scale_off) + c);
+    }
+    // payload: read once, write to each target
+    if (p.vec) {
+      const uint4* src = reinterpret_cast<const uint4*>(row);
+      for (int64_t v0 = lane; v0 < U; v0 += 4 * 32) {
+        uint4 buf[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+          if (v0 + a * 32 < U) buf[a] = __ldg(src + v0 + a * 32);
+        for (int j = 0; j < ntgt; ++j) {
+          uint4* dst = reinterpret_cast<uint4*>(p.data + static_cast<int64_t>(s_tgt[j]) * p.H);
+#pragma unroll
+          for (int a = 0; a < 4; ++a)
+            if (v0 + a * 32 < U) dst[v0 + a * 32] = buf[a];
+        }
+      }
+    } else {
+      for (int64_t hh = lane; hh < p.H; hh += 32) {
+        const uint8_t b = row[hh];
+        for (int j = 0; j < ntgt; ++j) p.data[static_cast<int64_t>(s_tgt[j]) * p.H + hh] = b;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// =============================================================================================
+// combine_pack: one block per received row
+// =============================================================================================
+struct CombPackParams {
+  const void* eo;
+  const int* slot_pos;
+  const float* weights;
+  const float* extra;
+  uint8_t* buf;
+  int64_t N, H, Nr, row_bytes, payload_bytes, scale_off, extra_off;
+  int K, extra_k;
+  bool quant;
+};
+
+__device__ __forceinline__ uint32_t combine_tail_word(const CombPackParams& p, int64_t i, int64_t off, float scale) {
+  if (off < p.scale_off) return 0u;
+  if (p.quant && off < p.scale_off + 4) return __float_as_uint(scale);
+  if (off < p.extra_off + 4 * static_cast<int64_t>(p.extra_k)) {
+    const int k = static_cast<int>((off - p.extra_off) >> 2);
+    const int n = __ldg(p.slot_pos + i * p.K + k);
+    return (n >= 0 && n < p.N) ? __float_as_uint(__ldg(p.extra + n)) : 0u;
+  }
+  return 0u;
+}
+
+template <typename T, int UPT>
+__global__ void __launch_bounds__(1024) combine_pack_vec_kernel(CombPackParams p) {
+  __shared__ float s_red[32];
+  const int64_t i = blockIdx.x;
+  const int64_t U = p.H / 16;
+  float acc[UPT][16];
+#pragma unroll
+  for (int j = 0; j < UPT; ++j)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[j][e] = 0.0f;
+  for (int k = 0; k < p.K; ++k) {
+    const int n = __ldg(p.slot_pos + i * p.K + k);
+    if (n < 0 || n >= p.N) continue;
+    const float wt = p.weights ? __ldg(p.weights + n) : 1.0f;
+    const T* src = reinterpret_cast<const T*>(p.eo) + static_cast<int64_t>(n) * p.H;
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (u < U) {
+        uint32_t w[Elem<T>::kWords];
+        load_unit<T>(src, u, w);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[j][e] = __fadd_rn(acc[j][e], __fmul_rn(wt, Elem<T>::get(w, e)));
+      }
+    }
+  }
+  uint8_t* dst = p.buf + i * p.row_bytes;
+  float scale = 0.0f;
+  if (p.quant) {
+    float m = 0.0f;
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (u < U)
+#pragma unroll
+        for (int e = 0; e < 16; ++e) m = amax_step(m, acc[j][e]);
+    }
+    m = warp_amax(m);
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = amax_step(m, s_red[w]);
+    const float q = quant_multiplier(m);
+    scale = p.H == 0 ? 0.0f : scale_of(m);
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (u < U) {
+        uint4 o;
+        o.x = pack4(acc[j][0], acc[j][1], acc[j][2], acc[j][3], q);
+        o.y = pack4(acc[j][4], acc[j][5], acc[j][6], acc[j][7], q);
+        o.z = pack4(acc[j][8], acc[j][9], acc[j][10], acc[j][11], q);
+        o.w = pack4(acc[j][12], acc[j][13], acc[j][14], acc[j][15], q);
+        reinterpret_cast<uint4*>(dst)[u] = o;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) {
+      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      if (u < U) {
+        uint32_t w[Elem<T>::kWords];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) Elem<T>::put(w, e, acc[j][e]);
+        store_unit<T>(reinterpret_cast<T*>(dst), u, w);
+      }
+    }
+  }
+  const int64_t tail_vecs = (p.row_bytes - p.payload_bytes) / 16;
+  for (int64_t v = threadIdx.x; v < tail_vecs; v += blockDim.x) {
+    const int64_t off = p.payload_bytes + 16 * v;
+    uint4 o;
+    o.x = combine_tail_word(p, i, off, scale);
+    o.y = combine_tail_word(p, i, off + 4, scale);
+    o.z = combine_tail_word(p, i, off + 8, scale);
+    o.w = combine_tail_word(p, i, off + 12, scale);
+    reinterpret_cast<uint4*>(dst + p.payload_bytes)[v] = o;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float combine_acc(const CombPackParams& p, int64_t i, int64_t h) {
+  float a = 0.0f;
+  for (int k = 0; k < p.K; ++k) {
+    const int n = __ldg(p.slot_pos + i * p.K + k);
+    if (n < 0 || n >= p.N) continue;
+    const float wt = p.weights ? __ldg(p.weights + n) : 1.0f;
+    a = __fadd_rn(a, __fmul_rn(wt, Elem<T>::load1(reinterpret_cast<const T*>(p.eo) + static_cast<int64_t>(n) * p.H + h)));
+  }
+  return a;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) combine_pack_scalar_kernel(CombPackParams p) {
+  __shared__ float s_red[32];
+  const int64_t i = blockIdx.x;
+  uint8_t* dst = p.buf + i * p.row_bytes;
+  float scale = 0.0f;
+  if (p.quant) {
+    float m = 0.0f;
+    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) m = amax_step(m, combine_acc<T>(p, i, h));
+    m = warp_amax(m);
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = amax_step(m, s_red[w]);
+    const float q = quant_multiplier(m);
+    scale = p.H == 0 ? 0.0f : scale_of(m);
+    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) dst[h] = e4m3_from_f32(__fmul_rn(combine_acc<T>(p, i, h), q));
+  } else {
+    T* out = reinterpret_cast<T*>(dst);
+    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) Elem<T>::store1(out + h, combine_acc<T>(p, i, h));
+  }
+  for (int64_t b = p.payload_bytes + threadIdx.x; b < p.scale_off; b += blockDim.x) dst[b] = 0;
+  for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
+    *reinterpret_cast<uint32_t*>(dst + off) = combine_tail_word(p, i, off, scale);
+}
+
+// =============================================================================================
+// combine_unpack: one block per token
+// =============================================================================================
+struct CombUnpackParams {
+  const uint8_t* buf;
+  const int* send_pos;
+  void* y;
+  float* extra;
+  int64_t T, H, rows, row_bytes, scale_off, extra_off;
+  int R, extra_k;
+  bool quant;
+};
+
+template <typename T, int UPT>
+__global__ void __launch_bounds__(1024) combine_unpack_vec_kernel(CombUnpackParams p) {
+  const int64_t t = blockIdx.x;
+  const int64_t U = p.H / 16;
+  float acc[UPT][16];
+#pragma unroll
+  for (int j = 0; j < UPT; ++j)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[j][e] = 0.0f;
+  for (int r = 0; r < p.R; ++r) {
+    const int s = __ldg(p.send_pos + t * p.R + r);
+    if (s < 0 || s >= p.rows) continue;
+    const uint8_t* row = p.buf + static_cast<int64_t>(s) * p.row_bytes;
+    if (p.quant) {
+      const float sc = __ldg(reinterpret_cast<const float*>(row + p.scale_off));
+#pragma unroll
+      for (int j = 0; j < UPT; ++j) {
+        const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+        if (u < U) {
+          const uint4 q = load_fp8_unit(row + u * 16);
+#pragma unroll
+          for (int e = 0; e < 16; ++e) acc[j][e] = __fadd_rn(acc[j][e], __fmul_rn(fp8_word_elem(q, e), sc));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < UPT; ++j) {
+        const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+        if (u < U) {
+          uint32_t w[Elem<T>::kWords];
+          load_unit<T>(reinterpret_cast<const T*>(row), u, w);
+#pragma unroll
+          for (int e = 0; e < 16; ++e) acc[j][e] = __fadd_rn(acc[j][e], Elem<T>::get(w, e));
+        }
+      }
+    }
+  }
+  T* yrow = reinterpret_cast<T*>(p.y) + t * p.H;
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) {
+      uint32_t w[Elem<T>::kWords];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) Elem<T>::put(w, e, acc[j][e]);
+      store_unit<T>(yrow, u, w);
+    }
+  }
+  for (int k = threadIdx.x; k < p.extra_k; k += blockDim.x) {
+    float a = 0.0f;
+    for (int r = 0; r < p.R; ++r) {
+      const int s = __ldg(p.send_pos + t * p.R + r);
+      if (s < 0 || s >= p.rows) continue;
+      a = __fadd_rn(a, __ldg(reinterpret_cast<const float*>(p.buf + static_cast<int64_t>(s) * p.row_bytes + p.extra_off) + k));
+    }
+    p.extra[t * p.extra_k + k] = a;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) combine_unpack_scalar_kernel(CombUnpackParams p) {
+  const int64_t t = blockIdx.x;
+  T* yrow = reinterpret_cast<T*>(p.y) + t * p.H;
+  for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) {
+    float a = 0.0f;
+    for (int r = 0; r < p.R; ++r) {
+      const int s = __ldg(p.send_pos + t * p.R + r);
+      if (s < 0 || s >= p.rows) continue;
+      const uint8_t* row = p.buf + static_cast<int64_t>(s) * p.row_bytes;
+      if (p.quant)
+        a = __fadd_rn(a, __fmul_rn(f32_from_e4m3(row[h]), *reinterpret_cast<const float*>(row + p.scale_off)));
+      else
+        a = __fadd_rn(a, Elem<T>::load1(reinterpret_cast<const T*>(row) + h));
+    }
+    Elem<T>::store1(yrow + h, a);
+  }
+  for (int k = threadIdx.x; k < p.extra_k; k += blockDim.x) {
+    float a = 0.0f;
+    for (int r = 0; r < p.R; ++r) {
+      const int s = __ldg(p.send_pos + t * p.R + r);
+      if (s < 0 || s >= p.rows) continue;
+      a = __fadd_rn(a, *reinterpret_cast<const float*>(p.buf + static_cast<int64_t>(s) * p.row_bytes + p.extra_off + 4 * k));
+    }
+    p.extra[t * p.extra_k + k] = a;
+  }
+}
+
+}  // namespace
+
+// =============================================================================================
+// Host entry points
+// =============================================================================================
+std::tuple<Tensor, Tensor> quantize_cuda(const Tensor& x, int64_t granularity, const std::optional<Tensor>& scale) {
+  check_activation(x, "x");
+  const int64_t T = x.size(0), H = x.size(1);
+  check_granularity(granularity, H);
+  if (granularity == kTensor && scale.has_value()) check_tensor_scale(scale, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto fopts = x.options().dtype(at::kFloat);
+  auto data = at::empty({T, H}, x.options().dtype(at::kFloat8_e4m3fn));
+  if (granularity == kTensor && T * H == 0) {
+    // Nothing to quantize: the scale is the given one, or 1 (amax of nothing is 0).
+    return {data, scale.has_value() ? scale->reshape({}).clone() : at::full({}, 1.0f, fopts)};
+  }
+  auto scales = at::empty(scale_shape(T, H, granularity), fopts);
+  if (T == 0) return {data, scales};
+
+  QuantParams p{};
+  p.x = x.data_ptr();
+  p.data = reinterpret_cast<uint8_t*>(data.data_ptr());
+  p.T = T;
+  p.H = H;
+  p.gran = static_cast<int>(granularity);
+  Tensor partials;
+  if (granularity == kTensor) {
+    p.scale_out = scales.data_ptr<float>();
+    if (scale.has_value()) {
+      p.tscale = scale->data_ptr<float>();
+    } else {
+      const int64_t numel = T * H;
+      const int blocks = static_cast<int>(std::min<int64_t>(std::max<int64_t>(1, numel / (256 * 16)), 2 * num_sms(x.get_device())));
+      partials = at::empty({blocks}, fopts);
+      p.partials = partials.data_ptr<float>();
+      p.num_partials = blocks;
+      FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "quantize", [&] {
+        tensor_amax_kernel<scalar_t><<<blocks, 256, 0, stream>>>(reinterpret_cast<const scalar_t*>(p.x), numel,
+                                                                 partials.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+  } else {
+    p.scales = scales.data_ptr<float>();
+  }
+  const int64_t U = H / 16;
+  const int upt = (H % 16 == 0 && H > 0 && aligned16(x.data_ptr())) ? units_per_thread(U) : 0;
+  FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "quantize", [&] {
+    if (upt == 1) {
+      quantize_vec_kernel<scalar_t, 1><<<T, round_up32(U), 0, stream>>>(p);
+    } else if (upt == 2) {
+      quantize_vec_kernel<scalar_t, 2><<<T, round_up32((U + 1) / 2), 0, stream>>>(p);
+    } else {
+      const size_t smem = granularity == kBlock128 ? (H / kBlock) * 4 : 0;
+      ensure_smem(quantize_scalar_kernel<scalar_t>, smem, x.get_device(), "quantize");
+      quantize_scalar_kernel<scalar_t><<<T, 256, smem, stream>>>(p);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {data, scales};
+}
+
+Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kFloat8_e4m3fn && data.is_contiguous(),
+              "fp8a2a: dequantize needs contiguous float8_e4m3fn [tokens, hidden] data, got ", data.sizes(), " ",
+              data.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "fp8a2a: scale must be contiguous float32");
+  check_same_device(data, scale, "scale");
+  const int64_t T = data.size(0), H = data.size(1);
+  int64_t span;  // elements per scale; 0: one scale for everything
+  if (scale.dim() == 0) {
+    span = 0;
+  } else if (scale.dim() == 1) {
+    TORCH_CHECK(scale.size(0) == T, "fp8a2a: row scale has ", scale.size(0), " entries for ", T, " rows");
+    span = H;
+  } else {
+    TORCH_CHECK(scale.dim() == 2 && scale.size(0) == T && scale.size(1) * kBlock == H,
+                "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
+    span = kBlock;
+  }
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "fp8a2a: dequantize dtype must be float32, float16 or bfloat16, got ", dtype);
+  const c10::cuda::CUDAGuard guard(data.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  auto out = at::empty({T, H}, data.options().dtype(dtype));
+  const int64_t n = T * H;
+  if (n == 0) return out;
+  const auto* in = reinterpret_cast<const uint8_t*>(data.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  const int64_t cap = static_cast<int64_t>(num_sms(data.get_device())) * 16;
+  const bool vec = H % 16 == 0 && aligned16(in);
+  FP8A2A_DISPATCH_FLOAT(dtype, "dequantize", [&] {
+    auto* op = reinterpret_cast<scalar_t*>(out.data_ptr());
+    if (vec) {
+      const int64_t units = n / 16;
+      const int blocks = static_cast<int>(std::min<int64_t>((units + 255) / 256, cap));
+      dequantize_vec_kernel<scalar_t><<<blocks, 256, 0, stream>>>(in, sp, op, units, span);
+    } else {
+      const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, cap));
+      dequantize_scalar_kernel<scalar_t><<<blocks, 256, 0, stream>>>(in, sp, op, n, span);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
+                                                      const std::optional<Tensor>& tensor_scale) {
+  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks);
+  const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
+  check_granularity(granularity, H);
+  if (granularity == kTensor) check_tensor_scale(tensor_scale, x);
+  const DispatchRow L(H, granularity, K);
+  const int64_t TK = T * K;
+  const int64_t cols = num_experts + R + 1;
+  TORCH_CHECK(TK < INT_MAX && num_experts < INT_MAX / 2 && T * std::min(K, R) < INT_MAX,
+              "fp8a2a: dispatch_pack on CUDA supports fewer than 2^31 slots and rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int device = x.get_device();
+
+  auto send = at::empty({send_buffer_rows(T, K, R), L.bytes}, x.options().dtype(at::kByte));
+  auto counts = at::empty({R, kColExperts + El}, x.options().dtype(at::kLong));
+  auto send_pos = at::empty({T, R}, x.options().dtype(at::kInt));
+
+  // ---- layout geometry ----
+  int W = 16;
+  while (W > 1 && static_cast<int64_t>(W) * cols * 4 > kSmemDefault) W /= 2;
+  const size_t layout_smem = static_cast<size_t>(W) * cols * 4;
+  const int64_t per_step = static_cast<int64_t>(W) * 32;
+  const int64_t sms = num_sms(device);
+  const int steps =
+      static_cast<int>(std::min<int64_t>(kMaxLayoutSteps, std::max<int64_t>(1, (TK + per_step * sms - 1) / (per_step * sms))));
+  const int64_t chunk_slots = per_step * steps;
+  const int64_t nchunks = std::max<int64_t>(1, (TK + chunk_slots - 1) / chunk_slots);
+  TORCH_CHECK(nchunks * cols < INT_MAX, "fp8a2a: dispatch_pack: too many tokens x experts for the CUDA layout");
+
+  const int64_t slot_off = (4 + R + nchunks * cols + 1) / 2 * 2;  // int2-aligned
+  auto scratch = at::empty({slot_off + 2 * TK}, x.options().dtype(at::kInt));
+  int* sp = scratch.data_ptr<int>();
+  LayoutParams lp{};
+  lp.idx = topk_idx.data_ptr();
+  lp.TK = TK;
+  lp.K = static_cast<int>(K);
+  lp.E = static_cast<int>(num_experts);
+  lp.El = static_cast<int>(El);
+  lp.R = static_cast<int>(R);
+  lp.cols = static_cast<int>(cols);
+  lp.chunk_slots = static_cast<int>(chunk_slots);
+  lp.steps = steps;
+  lp.nchunks = static_cast<int>(nchunks);
+  lp.H = H;
+  lp.done = reinterpret_cast<unsigned*>(sp);
+  lp.rank_off = sp + 4;
+  lp.chunk_off = sp + 4 + R;
+  lp.slot_rank = reinterpret_cast<int2*>(sp + slot_off);
+  lp.counts = counts.data_ptr<int64_t>();
+  if (nchunks > 1) C10_CUDA_CHECK(cudaMemsetAsync(lp.done, 0, sizeof(unsigned), stream));
+  if (topk_idx.scalar_type() == at::kLong) {
+    ensure_smem(dispatch_layout_kernel<int64_t>, layout_smem, device, "dispatch_pack layout");
+    dispatch_layout_kernel<int64_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
+  } else {
+    ensure_smem(dispatch_layout_kernel<int32_t>, layout_smem, device, "dispatch_pack layout");
+    dispatch_layout_kernel<int32_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (T == 0) return {send, counts, send_pos};
+
+  PackParams p{};
+  p.x = x.data_ptr();
+  p.idx = topk_idx.data_ptr();
+  p.w = topk_weights.data_ptr<float>();
+  p.tscale = granularity == kTensor ? tensor_scale->data_ptr<float>() : nullptr;
+  p.slot_rank = lp.slot_rank;
+  p.chunk_off = lp.chunk_off;
+  p.rank_off = lp.rank_off;
+  p.send = send.data_ptr<uint8_t>();
+  p.send_pos = send_pos.data_ptr<int>();
+  p.T = T;
+  p.H = H;
+  p.row_bytes = L.bytes;
+  p.K = static_cast<int>(K);
+  p.E = static_cast<int>(num_experts);
+  p.El = static_cast<int>(El);
+  p.R = static_cast<int>(R);
+  p.cols = static_cast<int>(cols);
+  p.chunk_slots = static_cast<int>(chunk_slots);
+  p.gran = static_cast<int>(granularity);
+  p.scale_off = static_cast<int>(L.scale_off);
+  p.weight_off = static_cast<int>(L.weight_off);
+  p.expert_off = static_cast<int>(L.expert_off);
+  p.pos_off = static_cast<int>(L.pos_off);
+  const size_t smem = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
+  const int64_t U = H / 16;
+  const int upt = (H % 16 == 0 && aligned16(x.data_ptr())) ? units_per_thread(U) : 0;
+  FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "dispatch_pack", [&] {
+    auto launch = [&](auto idx_tag) {
+      using IdxT = decltype(idx_tag);
+      if (upt == 1) {
+        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 1>, smem, device, "dispatch_pack");
+        dispatch_pack_vec_kernel<scalar_t, IdxT, 1><<<T, round_up32(U), smem, stream>>>(p);
+      } else if (upt == 2) {
+        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 2>, smem, device, "dispatch_pack");
+        dispatch_pack_vec_kernel<scalar_t, IdxT, 2><<<T, round_up32((U + 1) / 2), smem, stream>>>(p);
+      } else {
+        ensure_smem(dispatch_pack_scalar_kernel<scalar_t, IdxT>, smem, device, "dispatch_pack");
+        dispatch_pack_scalar_kernel<scalar_t, IdxT><<<T, 256, smem, stream>>>(p);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (topk_idx.scalar_type() == at::kLong) launch(int64_t{});
+    else launch(int32_t{});
+  });
+  return {send, counts, send_pos};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(const Tensor& recv, const Tensor& recv_counts,
+                                                                                int64_t hidden, int64_t granularity,
+                                                                                int64_t topk, int64_t num_rows) {
+  check_granularity(granularity, hidden);
+  const DispatchRow L(hidden, granularity, topk);
+  TORCH_CHECK(recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.size(1) == L.bytes && recv.is_contiguous(),
+              "fp8a2a: received buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", recv.sizes(), " ",
+              recv.scalar_type());
+  TORCH_CHECK(recv_counts.dim() == 2 && recv_counts.scalar_type() == at::kLong && recv_counts.size(1) > kColExperts,
+              "fp8a2a: recv_counts must be int64 [ranks, ", int64_t(kColExperts), " + local experts]");
+  check_same_device(recv, recv_counts, "recv_counts");
+  TORCH_CHECK(num_rows >= 0 && num_rows < INT_MAX && recv.size(0) < INT_MAX,
+              "fp8a2a: dispatch_unpack on CUDA supports fewer than 2^31 rows, got num_rows=", num_rows);
+  const c10::cuda::CUDAGuard guard(recv.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int device = recv.get_device();
+  const auto counts = recv_counts.contiguous();
+  const int64_t R = counts.size(0), C = counts.size(1), El = C - kColExperts, Nr = recv.size(0), H = hidden;
+  const auto o = recv.options();
+  auto data = at::empty({num_rows, H}, o.dtype(at::kFloat8_e4m3fn));
+  auto scale = at::empty(granularity == kTensor ? std::vector<int64_t>{num_rows} : scale_shape(num_rows, H, granularity),
+                         o.dtype(at::kFloat));
+  auto weights = at::empty({num_rows}, o.dtype(at::kFloat));
+  auto tpe = at::empty({El}, o.dtype(at::kLong));
+  auto slot_pos = at::empty({Nr, topk}, o.dtype(at::kInt));
+  auto row_src = at::empty({num_rows}, o.dtype(at::kInt));
+  if (R == 0) {
+    tpe.zero_();
+    if (Nr * topk > 0) slot_pos.fill_(-1);
+    return {data, scale, weights, tpe, slot_pos, row_src};
+  }
+  UnpackParams p{};
+  p.recv = recv.data_ptr<uint8_t>();
+  p.counts = counts.data_ptr<int64_t>();
+  p.data = reinterpret_cast<uint8_t*>(data.data_ptr());
+  p.scale = scale.data_ptr<float>();
+  p.weights = weights.data_ptr<float>();
+  p.tpe = tpe.data_ptr<int64_t>();
+  p.slot_pos = slot_pos.data_ptr<int>();
+  p.row_src = row_src.data_ptr<int>();
+  p.Nr = Nr;
+  p.N = num_rows;
+  p.H = H;
+  p.row_bytes = L.bytes;
+  p.K = static_cast<int>(topk);
+  p.R = static_cast<int>(R);
+  p.El = static_cast<int>(El);
+  p.C = static_cast<int>(C);
+  p.ns = static_cast<int>(L.num_scales);
+  p.scale_off = static_cast<int>(L.scale_off);
+  p.weight_off = static_cast<int>(L.weight_off);
+  p.expert_off = static_cast<int>(L.expert_off);
+  p.pos_off = static_cast<int>(L.pos_off);
+  p.vec = H % 16 == 0 && aligned16(p.recv);
+  constexpr int kWarps = 8;
+  const size_t smem = unpack_smem_bytes(R, C, El, topk, kWarps);
+  ensure_smem(dispatch_unpack_kernel, smem, device, "dispatch_unpack");
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((Nr + kWarps - 1) / kWarps, 4 * num_sms(device)));
+  dispatch_unpack_kernel<<<blocks, kWarps * 32, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Tensor granularity keeps one scale per row, as on the CPU.
+  return {data, scale, weights, tpe, slot_pos, row_src};
+}
+
+Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
+                         const std::optional<Tensor>& extra, bool quantize) {
+  check_activation(expert_out, "expert_out");
+  check_index(slot_pos, 2, "slot_pos");
+  check_same_device(expert_out, slot_pos, "slot_pos");
+  const int64_t N = expert_out.size(0), H = expert_out.size(1), Nr = slot_pos.size(0), K = slot_pos.size(1);
+  check_f32_vector(weights, N, expert_out, "weights");
+  check_f32_vector(extra, N, expert_out, "extra");
+  const CombineRow L(H, expert_out.element_size(), quantize, extra.has_value() ? K : 0);
+  const c10::cuda::CUDAGuard guard(expert_out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  auto buf = at::empty({Nr, L.bytes}, expert_out.options().dtype(at::kByte));
+  if (Nr == 0) return buf;
+  CombPackParams p{};
+  p.eo = expert_out.data_ptr();
+  p.slot_pos = slot_pos.data_ptr<int>();
+  p.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  p.extra = extra.has_value() ? extra->data_ptr<float>() : nullptr;
+  p.buf = buf.data_ptr<uint8_t>();
+  p.N = N;
+  p.H = H;
+  p.Nr = Nr;
+  p.row_bytes = L.bytes;
+  p.payload_bytes = H * L.elem;
+  p.scale_off = L.scale_off;
+  p.extra_off = L.extra_off;
+  p.K = static_cast<int>(K);
+  p.extra_k = static_cast<int>(L.topk);
+  p.quant = quantize;
+  const int64_t U = H / 16;
+  const int upt = (H % 16 == 0 && H > 0 && aligned16(p.eo)) ? units_per_thread(U) : 0;
+  FP8A2A_DISPATCH_FLOAT(expert_out.scalar_type(), "combine_pack", [&] {
+    if (upt == 1) combine_pack_vec_kernel<scalar_t, 1><<<Nr, round_up32(U), 0, stream>>>(p);
+    else if (upt == 2) combine_pack_vec_kernel<scalar_t, 2><<<Nr, round_up32((U + 1) / 2), 0, stream>>>(p);
+    else combine_pack_scalar_kernel<scalar_t><<<Nr, 256, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return buf;
+}
+
+std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
+                                               at::ScalarType dtype, bool quantized, int64_t extra_k) {
+  check_index(send_pos, 2, "send_pos");
+  const int64_t T = send_pos.size(0), R = send_pos.size(1), H = hidden;
+  const CombineRow L(H, c10::elementSize(dtype), quantized, extra_k);
+  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.size(1) == L.bytes && buf.is_contiguous(),
+              "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
+  check_same_device(buf, send_pos, "send_pos");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "fp8a2a: combine dtype must be float32, float16 or bfloat16, got ", dtype);
+  const c10::cuda::CUDAGuard guard(buf.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  auto y = at::empty({T, H}, buf.options().dtype(dtype));
+  auto extra = at::empty({T, extra_k}, buf.options().dtype(at::kFloat));
+  if (T == 0 || (H == 0 && extra_k == 0)) return {y, extra};
+  CombUnpackParams p{};
+  p.buf = buf.data_ptr<uint8_t>();
+  p.send_pos = send_pos.data_ptr<int>();
+  p.y = y.data_ptr();
+  p.extra = extra.data_ptr<float>();
+  p.T = T;
+  p.H = H;
+  p.rows = buf.size(0);
+  p.row_bytes = L.bytes;
+  p.scale_off = L.scale_off;
+  p.extra_off = L.extra_off;
+  p.R = static_cast<int>(R);
+  p.extra_k = static_cast<int>(extra_k);
+  p.quant = quantized;
+  const int64_t U = H / 16;
+  const int upt = (H % 16 == 0 && H > 0 && aligned16(p.buf)) ? units_per_thread(U) : 0;
+  FP8A2A_DISPATCH_FLOAT(dtype, "combine_unpack", [&] {
+    if (upt == 1) combine_unpack_vec_kernel<scalar_t, 1><<<T, round_up32(U), 0, stream>>>(p);
+    else if (upt == 2) combine_unpack_vec_kernel<scalar_t, 2><<<T, round_up32((U + 1) / 2), 0, stream>>>(p);
+    else combine_unpack_scalar_kernel<scalar_t><<<T, 256, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {y, extra};
+}
+
+TORCH_LIBRARY_IMPL(fp8a2a, CUDA, m) {
+  m.impl("quantize", &quantize_cuda);
+  m.impl("dequantize", &dequantize_cuda);
+  m.impl("dispatch_pack", &dispatch_pack_cuda);
+  m.impl("dispatch_unpack", &dispatch_unpack_cuda);
+  m.impl("combine_pack", &combine_pack_cuda);
+  m.impl("combine_unpack", &combine_unpack_cuda);
+}
+
+}  // namespace fp8a2a
