@@ -445,7 +445,7 @@ struct LayoutParams {
   const void* idx;
   int64_t TK;
   int K, E, El, R, cols, chunk_slots, steps, nchunks;
-  int64_t H;
+  int64_t H, gran, cap;  // cap: rank_capacity (capacity mode), 0 compact
   int2* slot_rank;  // [TK]: (position within (rank, expert) in the chunk, or -1; row within rank in the chunk, or -1)
   int* chunk_off;   // [nchunks, cols]: chunk totals, then exclusive prefix over chunks
   int* rank_off;    // [R]: first send row of each rank
@@ -575,6 +575,7 @@ __global__ void __launch_bounds__(512) dispatch_layout_kernel(LayoutParams p) {
     if (c == kColHidden) v = p.H;
     else if (c == kColTopk) v = p.K;
     else if (c == kColBadIds) v = tot[p.E + p.R];
+    else if (c == kColWire) v = p.gran;
     else if (c == kColRows) v = tot[p.E + r];
     else v = tot[r * p.El + (c - kColExperts)];
     p.counts[i] = v;
@@ -590,7 +591,7 @@ __global__ void __launch_bounds__(512) dispatch_layout_kernel(LayoutParams p) {
         const int n = __shfl_up_sync(kFull, inc, o);
         if (lane >= o) inc += n;
       }
-      if (r < p.R) p.rank_off[r] = carry + inc - v;
+      if (r < p.R) p.rank_off[r] = p.cap > 0 ? static_cast<int>(r * p.cap) : carry + inc - v;
       carry += __shfl_sync(kFull, inc, 31);
     }
   }
@@ -609,9 +610,10 @@ struct PackParams {
   const int* rank_off;
   uint8_t* send;
   int* send_pos;
-  int64_t T, H, row_bytes;
+  int64_t T, H, row_bytes, cap;
   int K, E, El, R, cols, chunk_slots, gran;
   int scale_off, weight_off, expert_off, pos_off;
+  bool vec;  // raw: 16-byte copies
 };
 
 struct RouteSmem {
@@ -652,7 +654,12 @@ __device__ __forceinline__ void load_routing(const PackParams& p, int64_t t, con
       const int2 sr = p.slot_rank[slot];
       const int* co = p.chunk_off + (slot / p.chunk_slots) * p.cols;
       pos = __ldg(co + ei) + sr.x;
-      if (sr.y >= 0) row = __ldg(p.rank_off + rank) + __ldg(co + p.E + rank) + sr.y;
+      if (sr.y >= 0) {
+        const int local = __ldg(co + p.E + rank) + sr.y;  // row among this rank's rows
+        // Capacity mode: a rank over its capacity is a caller bug (ops_cpu.cpp raises); its
+        // extra rows are not written and their send_pos stays -1.
+        if (p.cap == 0 || local < p.cap) row = __ldg(p.rank_off + rank) + local;
+      }
       wt = __ldg(p.w + slot);
     }
     s.rank[k] = rank;
@@ -822,6 +829,44 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
     for (int64_t h = H + threadIdx.x; h < p.scale_off; h += blockDim.x) dst[h] = 0;
     for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
       *reinterpret_cast<uint32_t*>(dst + off) = dispatch_tail_word(p, off, r, row_scale, s);
+  }
+}
+
+// Raw wire: the activation's own bytes (x is a uint8 [T, H] view), read once, written per rank.
+template <typename IdxT>
+__global__ void __launch_bounds__(512) dispatch_pack_raw_kernel(PackParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const RouteSmem s = carve_route_smem(smem, p.K);
+  const int64_t t = blockIdx.x, H = p.H;
+  const uint8_t* xrow = reinterpret_cast<const uint8_t*>(p.x) + t * H;
+  load_routing<IdxT>(p, t, s);
+  __syncthreads();
+  write_send_pos(p, t, s);
+  if (p.vec) {
+    for (int64_t u = threadIdx.x; u < H / 16; u += blockDim.x) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(xrow) + u);
+      for (int k = 0; k < p.K; ++k) {
+        const int row = s.row[k];
+        if (row >= 0) reinterpret_cast<uint4*>(p.send + static_cast<int64_t>(row) * p.row_bytes)[u] = v;
+      }
+    }
+  } else {
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+      const uint8_t v = xrow[h];
+      for (int k = 0; k < p.K; ++k) {
+        const int row = s.row[k];
+        if (row >= 0) p.send[static_cast<int64_t>(row) * p.row_bytes + h] = v;
+      }
+    }
+  }
+  for (int k = 0; k < p.K; ++k) {
+    const int row = s.row[k];
+    if (row < 0) continue;
+    const int r = s.rank[k];
+    uint8_t* dst = p.send + static_cast<int64_t>(row) * p.row_bytes;
+    for (int64_t h = H + threadIdx.x; h < p.scale_off; h += blockDim.x) dst[h] = 0;
+    for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
+      *reinterpret_cast<uint32_t*>(dst + off) = dispatch_tail_word(p, off, r, 0.0f, s);
   }
 }
 

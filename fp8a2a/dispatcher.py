@@ -84,6 +84,8 @@ class Dispatcher:
                             capturable): each expert takes at most ceil(factor * T * K / E)
                             tokens from each source rank, dropping the lowest router weights;
                             every local expert gets R * C rows, padding rows are zero
+    always_communicate:     call the collectives even at group size 1 (exercises NCCL on one GPU);
+                            by default a group of one skips them, like Megatron does
     expert_tp_size:         expert tensor parallelism: `group` is then the TP-EP group (rank =
                             ep_rank * expert_tp_size + tp_rank, Megatron's order) and every TP
                             rank of an expert's EP rank receives its tokens (the FP8 all-gather)
@@ -93,7 +95,7 @@ class Dispatcher:
     def __init__(self, num_experts: int, group=None, granularity: str = "row", *, fp8_combine: bool = False,
                  fp8_dispatch_backward: bool = False, bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES,
                  tensor_scale: Optional[torch.Tensor] = None, expert_tp_size: int = 1,
-                 capacity_factor: Optional[float] = None):
+                 capacity_factor: Optional[float] = None, always_communicate: bool = False):
         self.group = group
         self.rank, self.world = _group_info(group)
         self.granularity = granularity
@@ -115,6 +117,7 @@ class Dispatcher:
             raise ValueError(f"fp8a2a: capacity_factor must be positive, got {capacity_factor}")
         self.capacity_factor = capacity_factor
         self._validated_shapes = set()
+        self.local = self.world == 1 and not (always_communicate and dist.is_initialized())
         if self.world > 1:
             self._check_agreement()
 
@@ -135,14 +138,14 @@ class Dispatcher:
     # ---- the two collectives -------------------------------------------------------------
 
     def _exchange(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
-        if self.world == 1:
+        if self.local:
             return send[: send_splits[0]]
         recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
         dist.all_to_all_single(recv, send[: sum(send_splits)], recv_splits, send_splits, group=self.group)
         return recv
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
+        if self.local:
             return counts
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=self.group)
@@ -251,7 +254,7 @@ class Dispatcher:
         if capacity:
             return self._forward_static(x, handle, send, counts, send_pos, recv_counts)
         # The one host sync of a dispatch: what we send and what we receive, in one copy.
-        host = (torch.cat([counts, recv_counts]) if self.world > 1 else counts).cpu()
+        host = (counts if self.local else torch.cat([counts, recv_counts])).cpu()
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not

@@ -34,11 +34,11 @@ def _mm_configs():
     return cfg
 
 
-@triton.autotune(configs=_mm_configs(), key=["N", "K", "E", "A_SCALE", "B_SCALE", "UPCAST"])
+@triton.autotune(configs=_mm_configs(), key=["N", "K", "E", "A_SCALE", "B_SCALE", "UPCAST", "FP8"])
 @triton.jit
 def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, M, N, K, E,
                        s_am, s_ak, s_be, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbe,
-                       A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+                       A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -83,6 +83,8 @@ def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, M, N, K, E
         if A_SCALE == 2:
             sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
             acc += tl.dot(a, b) * sa[:, None]
+        elif FP8:  # promote to fp32 every BK (Hopper's fp8 MMA accumulates with reduced precision)
+            acc += tl.dot(a, b)
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BK * s_ak
@@ -118,7 +120,8 @@ def grouped_mm(a, b, offs, sa=None, sb=None, b_strides=None, n=None):
     _grouped_mm_kernel[grid](a, b, out, sa_, sb if sb is not None else out, offs, M, n, K, E,
                              a.stride(0), a.stride(1), *b_strides, out.stride(0), out.stride(1),
                              s_sam, s_sak, sb.stride(0) if sb is not None else 0,
-                             A_SCALE=a_scale, B_SCALE=sb is not None, UPCAST=upcast)
+                             A_SCALE=a_scale, B_SCALE=sb is not None, UPCAST=upcast,
+                             FP8=a.dtype == torch.float8_e4m3fn and not upcast)
     return out
 
 

@@ -1,0 +1,96 @@
+"""Dispatch on one GPU: the CPU scenarios on CUDA (no process group, and NCCL at world size 1),
+capacity mode without host syncs, and a captured dispatch -> experts -> combine step replayed
+from a CUDA graph. Skipped without CUDA; run on the GPU machine."""
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fp8a2a
+
+from .test_dispatch import BASE, CASES, make_inputs, scenario
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def nccl_world_of_one():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "tokens" not in CASES[n] and "routing" not in CASES[n]
+                                  or n == "skewed"])
+def test_scenarios_on_cuda(name):
+    scenario(0, 1, {**BASE, **CASES[name], "device": "cuda"})
+
+
+def test_large_hidden_on_cuda():
+    scenario(0, 1, {**BASE, "hidden": 7168, "tokens": 512, "experts": 64, "topk": 8, "device": "cuda"})
+
+
+@pytest.mark.parametrize("name", ["uniform", "k8_e16", "block128", "bf16_fallback", "capacity_with_drops"])
+def test_nccl_world_size_one(nccl_world_of_one, name):
+    assert not fp8a2a.Dispatcher(8, always_communicate=True).local  # the NCCL all_to_all path really runs
+    scenario(0, 1, {**BASE, **CASES[name], "device": "cuda", "always_communicate": True})
+
+
+def _capacity_step(d, x, idx, w):
+    out = d.dispatch(x, idx, w)
+    h = out.dequantized(torch.bfloat16) * 2  # a stand-in expert
+    return d.combine(h, out.handle), out.handle.dropped
+
+
+def test_capacity_mode_has_no_host_sync_and_replays_from_a_cuda_graph(nccl_world_of_one):
+    xs, idxs, ws = make_inputs(1, 256, 1024, 32, 4, torch.bfloat16, routing="skewed")
+    x, idx, w = xs[0].cuda(), idxs[0].cuda(), ws[0].cuda()
+    d = fp8a2a.Dispatcher(32, capacity_factor=1.0, always_communicate=True)
+    eager, dropped = _capacity_step(d, x, idx, w)  # the first call per shape validates (one sync)
+    assert int(dropped) > 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync now raises
+    try:
+        again, _ = _capacity_step(d, x, idx, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(eager, again)
+
+    # Capture one step on static buffers, replay it on new values.
+    sx, sidx, sw = x.clone(), idx.clone(), w.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _capacity_step(d, sx, sidx, sw)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y, static_dropped = _capacity_step(d, sx, sidx, sw)
+    xs2, idxs2, ws2 = make_inputs(1, 256, 1024, 32, 4, torch.bfloat16, seed=7)
+    sx.copy_(xs2[0].cuda()), sidx.copy_(idxs2[0].cuda()), sw.copy_(ws2[0].cuda())
+    graph.replay()
+    expected, expected_dropped = _capacity_step(d, xs2[0].cuda(), idxs2[0].cuda(), ws2[0].cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(static_y, expected)
+    assert int(static_dropped) == int(expected_dropped)
+
+
+def test_default_mode_syncs_once_per_dispatch():
+    xs, idxs, ws = make_inputs(1, 128, 512, 16, 2, torch.bfloat16)
+    d = fp8a2a.Dispatcher(16, bf16_below_bytes=0)
+    x, idx, w = xs[0].cuda(), idxs[0].cuda(), ws[0].cuda()
+    d.combine(d.dispatch(x, idx, w).dequantized(), d.dispatch(x, idx, w).handle)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = d.dispatch(x, idx, w)
+        d.combine(out.dequantized(), out.handle)
+        syncs = [c for c in caught if "synchroniz" in str(c.message)]
+    torch.cuda.set_sync_debug_mode("default")
+    assert len(syncs) == 1, [str(c.message) for c in syncs]
