@@ -8,6 +8,7 @@ Backward reuses the same machinery in the other direction: dispatch backward is 
 the row gradients (BF16 by default) that also carries the router-weight gradients; combine
 backward is a dispatch of dy (FP8 by default) over the cached layout, with no counts exchange.
 """
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
@@ -319,7 +320,7 @@ class _DispatchFn(torch.autograd.Function):
     def forward(ctx, x, topk_weights, handle):
         d = handle.dispatcher
         data, scale, weights, tpe = d._forward(x, handle)
-        ctx.handle = handle
+        ctx.handle = copy.copy(handle)  # a copy: handle.weights (set later) would close a reference cycle
         ctx.x_dtype = x.dtype
         n, h = handle.num_rows, handle.hidden
         if handle.wire == ops.RAW:
@@ -327,7 +328,7 @@ class _DispatchFn(torch.autograd.Function):
             placeholder = data.new_empty(0)
             ctx.mark_non_differentiable(placeholder, scale, tpe)
             return rows, weights, placeholder, scale, tpe
-        anchor = x.new_zeros(()).expand(n, h)  # gradient carrier of the FP8 rows (no memory)
+        anchor = x.new_empty(()).expand(n, h)  # gradient carrier of the FP8 rows: no memory, never read
         ctx.mark_non_differentiable(data, scale, tpe)
         return anchor, weights, data, scale, tpe
 
