@@ -1,0 +1,281 @@
+"""The benchmarks' own logic on the CPU: statistics, bandwidth, crossover, the BF16 baseline's
+semantics, a tiny sweep over 2 gloo ranks (JSON, CSV, PNG, exact wire bytes), the scale model,
+and the kernel and MoE-layer scripts at functional sizes."""
+import csv
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from fp8a2a import bench, bench_model, ops
+from fp8a2a.dispatcher import DEFAULT_BF16_BELOW_BYTES
+
+from .distributed import run_ranks
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- statistics and bandwidth ---------------------------------------------------------------
+
+def test_percentiles_interpolate_like_numpy():
+    vals = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert bench.percentile(vals, 50) == 3.0
+    assert bench.percentile(vals, 0) == 1.0 and bench.percentile(vals, 100) == 5.0
+    assert bench.percentile(vals, 10) == pytest.approx(1.4)  # numpy.percentile([1..5], 10)
+    assert bench.percentile(vals, 90) == pytest.approx(4.6)
+    assert bench.percentile([7.0], 90) == 7.0
+    assert math.isnan(bench.percentile([], 50))
+    s = bench.summarize([1, 2, 3, 4, 10])
+    assert (s["median"], s["min"], s["max"], s["n"]) == (3, 1, 10, 5)
+    assert s["mean"] == 4 and s["p10"] == pytest.approx(1.4) and s["p90"] == pytest.approx(7.6)
+
+
+def test_nccl_tests_bandwidth_definitions():
+    alg = bench.algbw_gbps(8e9, 0.5)  # 8 GB sent by a rank in 0.5 s
+    assert alg == pytest.approx(16.0)
+    assert bench.busbw_gbps(alg, 8) == pytest.approx(14.0)  # * (n - 1) / n
+    assert bench.busbw_gbps(alg, 1) == 0.0
+
+
+# ---- crossover and the threshold it recommends ------------------------------------------------
+
+def test_crossover_interpolates_in_log_size():
+    c = bench.find_crossover([1024, 4096, 16384], [0.5, 0.8, 1.2])
+    assert c["status"] == "crosses" and (c["last_loss_bytes"], c["first_win_bytes"]) == (4096, 16384)
+    # speedup 1.0 is halfway between 0.8 and 1.2: halfway between 4096 and 16384 in log size
+    assert c["crossover_bytes"] == pytest.approx(8192)
+
+
+def test_crossover_needs_every_larger_size_to_win():
+    c = bench.find_crossover([1, 2, 4, 8, 16], [1.5, 0.9, 1.1, 0.95, 1.3])  # noisy dips
+    assert c["status"] == "crosses" and c["last_loss_bytes"] == 8 and c["first_win_bytes"] == 16
+    unsorted = bench.find_crossover([16, 1, 8, 4, 2], [1.3, 1.5, 0.95, 1.1, 0.9])
+    assert unsorted == c
+
+
+def test_crossover_edge_cases():
+    assert bench.find_crossover([1, 2], [1.1, 2.0]) == {
+        "status": "fp8_always_wins", "crossover_bytes": 1.0, "last_loss_bytes": None, "first_win_bytes": 1.0}
+    never = bench.find_crossover([1, 2], [0.5, 0.9])
+    assert never["status"] == "bf16_always_wins" and never["crossover_bytes"] is None and never["last_loss_bytes"] == 2
+    assert bench.find_crossover([1, 2], [None, float("nan")])["status"] == "no_data"
+    assert bench.find_crossover([1, 2, 4], [0.9, None, 1.1])["status"] == "crosses"
+
+
+def test_threshold_recommendation():
+    cx = {"a": bench.find_crossover([1024, 4096], [0.9, 1.3]), "b": bench.find_crossover([1024, 4096], [0.5, 1.5]),
+          "c": bench.find_crossover([1024, 4096], [1.2, 1.3])}
+    assert cx["a"]["crossover_bytes"] == pytest.approx(1024 * 4 ** 0.25)  # 1448
+    r = bench.recommend_threshold(cx)
+    assert r["recommended_bytes"] == 2048  # the largest crossover (a), rounded up to a power of two
+    assert "a" in r["text"] and r["default_bytes"] == DEFAULT_BF16_BELOW_BYTES
+    always = bench.recommend_threshold({"c": cx["c"]})
+    assert always["recommended_bytes"] == min(DEFAULT_BF16_BELOW_BYTES, 1024)
+    none = bench.recommend_threshold({"x": bench.find_crossover([1, 2], [0.1, 0.2])})
+    assert none["recommended_bytes"] is None and "never" in none["text"]
+
+
+# ---- the BF16 baseline does what Megatron's alltoall dispatcher does ---------------------------
+
+def _baseline_scenario(rank, world):
+    T, H, E, K = 12, 32, 8, 3
+    xs, maps, probs = [], [], []
+    for r in range(world):
+        g = torch.Generator().manual_seed(r)
+        xs.append(torch.randn(T, H, generator=g).to(torch.bfloat16))
+        idx, w, rmap, p = bench.make_routing(T, E, K, "cpu", seed=10 + r)
+        maps.append(rmap), probs.append(p)
+    m = bench.MegatronStyleAlltoAll(E)
+    rows, tpe, p = m.dispatch(xs[rank], maps[rank], probs[rank])
+    # expected: for each local expert, rows from every source rank in order, tokens in order
+    L = E // world
+    want_rows, want_p, want_tpe = [], [], []
+    for le in range(L):
+        e = rank * L + le
+        n = 0
+        for src in range(world):
+            for t in range(T):
+                if maps[src][t, e]:
+                    want_rows.append(xs[src][t]), want_p.append(probs[src][t, e])
+                    n += 1
+        want_tpe.append(n)
+    assert tpe.tolist() == want_tpe
+    assert torch.equal(rows, torch.stack(want_rows)) and torch.equal(p, torch.stack(want_p))
+    # combine of the rows (identity experts) gives every token back once per routed expert
+    y = m.combine(rows)
+    assert torch.allclose(y.float(), xs[rank].float() * K, rtol=1e-2, atol=1e-2)
+    yw = m.combine(rows, apply_probs=True)  # unpermute with probs: the router-weighted sum
+    assert torch.allclose(yw.float(), xs[rank].float() * probs[rank].sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    d_bytes, c_bytes = m.wire_bytes(H)
+    assert c_bytes == T * K * H * 2
+    assert d_bytes == T * K * (H * 2 + 4) + (E * 8 * world if world > 1 else 0)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatron_style_baseline(world):
+    if world == 1:
+        assert _baseline_scenario(0, 1)
+    else:
+        assert all(run_ranks(world, _baseline_scenario))
+
+
+def test_megatron_style_baseline_is_differentiable():
+    T, H, E, K = 10, 16, 4, 2
+    x = torch.randn(T, H, requires_grad=True)
+    _, _, rmap, probs = bench.make_routing(T, E, K, "cpu", seed=3)
+    probs.requires_grad_()
+    m = bench.MegatronStyleAlltoAll(E)
+    rows, _, p = m.dispatch(x, rmap, probs)
+    (m.combine(rows * p.unsqueeze(1)).sum()).backward()
+    assert torch.allclose(x.grad, probs.detach().sum(1, keepdim=True).expand(T, H))
+    assert probs.grad is not None and torch.all(probs.grad[~rmap] == 0)
+
+
+# ---- a tiny sweep on 2 gloo ranks: tables, JSON, CSV, PNG, exact wire bytes ----------------
+
+def test_tiny_sweep_writes_json_csv_png(tmp_path, capfd):
+    out = tmp_path / "a2a.json"
+    tokens, H, E, K, world = [16, 48], 256, 8, 2, 2
+    rc = bench.main(["--world", str(world), "--tokens", ",".join(map(str, tokens)), "--hidden", str(H),
+                     "--experts", str(E), "--topk", str(K), "--granularity", "row,block128", "--iters", "2",
+                     "--warmup", "0", "--json", str(out), "--quiet"])
+    assert rc == 0
+    text = capfd.readouterr().out
+    assert "FUNCTIONAL NUMBERS ONLY" in text and "bf16_below_bytes" in text and "summary" in text
+
+    doc = json.loads(out.read_text())
+    assert doc["functional_only"] is True and doc["meta"]["world"] == world
+    recs = doc["records"]
+    assert [(r["series"], r["tokens"]) for r in recs] == [
+        (f"H{H}-E{E}-K{K}-{g}", t) for g in ("row", "block128") for t in tokens]
+    for r in recs:
+        for v in bench.VARIANTS:
+            assert r[f"{v}_dispatch_ms"] > 0 and r[f"{v}_total_ms"] >= r[f"{v}_dispatch_ms"]
+            assert r[f"{v}_dispatch_ms_p10"] <= r[f"{v}_dispatch_ms"] <= r[f"{v}_dispatch_ms_p90"]
+            assert r[f"{v}_busbw_GBps"] == pytest.approx(r[f"{v}_algbw_GBps"] * (world - 1) / world)
+            assert r[f"{v}_launches"] is None  # counted on CUDA only
+        assert r["speedup_total"] == pytest.approx(r["megatron_bf16_total_ms"] / r["fp8a2a_fp8_total_ms"])
+        # exact wire bytes, averaged over the ranks
+        T = r["tokens"]
+        assert r["megatron_bf16_wire_bytes"] == T * K * (2 * H + 4) + E * 8 * world
+        code = ops.GRANULARITY[r["granularity"]]
+        rows = []
+        for rank in range(world):
+            idx = bench.make_routing(T, E, K, "cpu", bench.point_seed(0, rank, T) + 1)[0]
+            dest = torch.zeros(T, world, dtype=torch.bool).scatter_(1, idx // (E // world), True)
+            rows.append(int(dest.sum()))
+        counts = world * (ops.COUNTS_HEADER + E // world) * 8
+        assert r["fp8a2a_fp8_wire_bytes"] == pytest.approx(
+            sum(rows) / world * ops.dispatch_row_bytes(H, code, K) + counts)
+        assert r["fp8a2a_bf16_wire_bytes"] == pytest.approx(
+            sum(rows) / world * ops.dispatch_row_bytes(2 * H, ops.RAW, K) + counts)
+        assert r["wire_ratio_dispatch"] < 0.6
+    an = doc["analysis"]
+    assert set(an["crossover_vs_bf16_wire"]) == {f"H{H}-E{E}-K{K}-row", f"H{H}-E{E}-K{K}-block128"}
+    assert "recommended_bytes" in an["recommendation"]
+
+    with open(tmp_path / "a2a.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bench.CSV_COLUMNS and len(rows) == len(recs)
+    assert float(rows[0]["megatron_bf16_wire_bytes"]) == recs[0]["megatron_bf16_wire_bytes"]
+
+    png = tmp_path / "a2a.png"
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not png.exists() and "matplotlib is not installed" in text
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_series_skip_when_experts_do_not_split(tmp_path):
+    args = bench.parse_args(["--hidden", "128", "--experts", "6,8", "--topk", "2", "--tokens", "8"])
+    assert [s.name for s in bench.build_series(args, cuda=False)] == ["H128-E6-K2-row", "H128-E8-K2-row"]
+    assert [s.name for s in bench.build_series(bench.parse_args([]), cuda=True)] == [s.name for s in bench.GPU_SERIES]
+    recs, meta = bench.spawn_gloo(4, bench._sweep_entry, bench.parse_args(
+        ["--hidden", "128", "--experts", "6,8", "--topk", "2", "--tokens", "8", "--iters", "1", "--warmup", "0",
+         "--quiet", "--no-plot"]))
+    assert meta["skipped_series"] == ["H128-E6-K2-row"] and {r["series"] for r in recs} == {"H128-E8-K2-row"}
+
+
+# ---- the scale model -----------------------------------------------------------------------
+
+def test_distinct_ranks():
+    assert bench_model.distinct_ranks(8, 256, 8) == pytest.approx(5.29, abs=0.01)
+    assert bench_model.distinct_ranks(256, 256, 8) == pytest.approx(8.0)  # one expert per rank
+    assert bench_model.distinct_ranks(1, 256, 8) == pytest.approx(1.0)
+
+
+def test_model_projection():
+    rows = bench_model.project(bench_model.Params(), bench_model.EP_SIZES)
+    assert [r["ep"] for r in rows] == [8, 16, 32, 64, 128, 256, 512, 1024]
+    first, last = rows[0], rows[-1]
+    assert first["inter_node_share"] == 0 and last["inter_node_share"] == pytest.approx(1016 / 1024)
+    assert 0.3 < first["bytes_ratio_fp8a2a"] < 0.36  # dedup (5.3 of 8 ranks) x FP8: about a third
+    assert 0.49 < last["bytes_ratio_fp8a2a"] < 0.53  # one expert per rank: FP8 only
+    for r in rows:
+        assert r["dispatch_ms_fp8a2a"] < r["dispatch_ms_megatron"]
+        assert r["layer_speedup_fp8_gemm_fp8a2a"] > r["layer_speedup_fp8_gemm_bf16_a2a"] > 1
+    # the report's question: the FP8 (GEMM-only) speedup fades as the all-to-all goes inter-node
+    assert last["layer_speedup_fp8_gemm_bf16_a2a"] < first["layer_speedup_fp8_gemm_bf16_a2a"]
+    assert last["a2a_share_bf16_layer"] > first["a2a_share_bf16_layer"]
+
+
+def test_model_command_prints_assumptions_table_and_answer(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    assert bench.main(["--model", "--no-measure", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "assumptions:" in text and "NVLink 450 GB/s" in text and "network 50 GB/s" in text
+    assert "answer:" in text and "1024" in text
+    doc = json.loads(out.read_text())
+    assert [r["ep"] for r in doc["rows"]] == list(bench_model.EP_SIZES) and "params" in doc
+    assert bench.main(["--model", "--no-measure", "--ep", "8,64", "--net-gbps", "25"]) == 0
+    assert "network 25 GB/s" in capsys.readouterr().out
+
+
+def test_model_takes_kernel_figures_from_bench_kernels_json(tmp_path):
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps({"copy_tbps": 4.0, "ops": [{"op": "dispatch_pack", "tbps": 3.0}]}))
+    p = bench_model.from_kernels_json(bench_model.Params(), str(path))
+    assert p.copy_tbps == 4.0 and p.fp8a2a_kernel_tbps == 3.0 and "k.json" in p.sources["fp8a2a_kernel_tbps"]
+
+
+# ---- the kernel and MoE-layer scripts at functional sizes ----------------------------------
+
+def test_bench_kernels_functional(tmp_path, capsys):
+    mod = _script("bench_kernels")
+    out = tmp_path / "k.json"
+    assert mod.main(["--tokens", "64", "--hidden", "256", "--host-tokens", "16", "--host-hidden", "256",
+                     "--iters", "2", "--host-calls", "2", "--experts", "16", "--ranks", "4", "--json", str(out),
+                     "--cpu"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["functional_only"] is True and doc["copy_tbps"] > 0
+    names = [r["op"] for r in doc["ops"]]
+    assert names == ["quantize_row", "quantize_block128", "dispatch_pack", "dispatch_unpack", "combine_pack",
+                     "combine_unpack", "dequantize"]
+    for r in doc["ops"]:
+        assert r["ms"] > 0 and r["eager_ms"] > 0 and r["host_us"] > 0 and r["frac_of_copy"] > 0, r
+    assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us"}
+    text = capsys.readouterr().out
+    assert "FUNCTIONAL" in text and "dispatch_pack" in text and "x copy" in text
+
+
+def test_bench_moe_layer_functional(tmp_path, capsys):
+    mod = _script("bench_moe_layer")
+    out = tmp_path / "m.json"
+    assert mod.main(["--shapes", "deepseek", "--iters", "1", "--warmup", "0", "--json", str(out), "--cpu"]) == 0
+    doc = json.loads(out.read_text())
+    rec = doc["shapes"]["deepseek-v3-tiny"]
+    assert rec["fp8"]["fwd_bwd_ms"] > 0 and rec["replica_bf16"]["fwd_bwd_ms"] > 0
+    assert rec["rel_err_vs_bf16"] < 0.15  # FP8 rows + FP8 weights against the BF16 path
+    assert doc["graphs"]["available"] is False and "not available" in doc["graphs"]["why"]
+    assert "target" in capsys.readouterr().out
