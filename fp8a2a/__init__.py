@@ -3,3 +3,4 @@ from .quant import QuantizedTensor, dequantize, quantize, scale_for_tensor
 
 __version__ = "0.1.0"
 from .dispatcher import DispatchHandle, DispatchOutput, Dispatcher
+from .experts import FP8GroupedMLP, grouped_linear

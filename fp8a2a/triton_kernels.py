@@ -198,8 +198,8 @@ def _act(g, u, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_kernel(z_ptr, w_ptr, q_ptr, s_ptr, F, s_z, s_q,
-                      ACT: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _act_quant_kernel(z_ptr, w_ptr, zs_ptr, q_ptr, s_ptr, F, s_z, s_zs, s_q,
+                      ACT: tl.constexpr, HAS_W: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     zr = z_ptr + row * s_z
     qr = q_ptr + row * s_q
@@ -211,6 +211,8 @@ def _act_quant_kernel(z_ptr, w_ptr, q_ptr, s_ptr, F, s_z, s_q,
         c = off + tl.arange(0, BLOCK)
         ok = c < F
         g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
+        if Z_BLOCK:  # z is e4m3 with 128-block scales (block128 -> row conversion)
+            g = g * tl.load(zs_ptr + row * s_zs + c // 128, mask=ok, other=0.0)
         u = g
         if ACT == 1:
             u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
@@ -225,6 +227,8 @@ def _act_quant_kernel(z_ptr, w_ptr, q_ptr, s_ptr, F, s_z, s_q,
         c = off + tl.arange(0, BLOCK)
         ok = c < F
         g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
+        if Z_BLOCK:
+            g = g * tl.load(zs_ptr + row * s_zs + c // 128, mask=ok, other=0.0)
         u = g
         if ACT == 1:
             u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
@@ -237,8 +241,9 @@ def _block(f):
     return max(128, min(4096, triton.next_power_of_2(max(f, 1))))
 
 
-def act_quant(z, w, act):
-    """(data e4m3 [M, F], scale f32 [M]) of act(z) * w per row; F = z.shape[1] // 2 for swiglu."""
+def act_quant(z, w, act, z_scale=None):
+    """(data e4m3 [M, F], scale f32 [M]) of act(z) * w per row; F = z.shape[1] // 2 for swiglu.
+    z_scale [M, F/128] (act 'identity'): z is e4m3 with block scales, converted to row scales."""
     M = z.shape[0]
     F = z.shape[1] // 2 if act == "swiglu" else z.shape[1]
     assert z.stride(1) == 1
@@ -246,9 +251,33 @@ def act_quant(z, w, act):
     scale = torch.empty((M,), device=z.device, dtype=torch.float32)
     if M:
         blk = _block(F)
-        _act_quant_kernel[(M,)](z, w if w is not None else scale, data, scale, F, z.stride(0), data.stride(0),
-                                ACT=ACT_CODE[act], HAS_W=w is not None, BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
+        _act_quant_kernel[(M,)](z, w if w is not None else scale, z_scale if z_scale is not None else scale,
+                                data, scale, F, z.stride(0), z_scale.stride(0) if z_scale is not None else 0,
+                                data.stride(0), ACT=ACT_CODE[act], HAS_W=w is not None, Z_BLOCK=z_scale is not None,
+                                BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
     return data, scale
+
+
+@triton.jit
+def _dequant_kernel(x_ptr, s_ptr, out_ptr, K, s_x, s_sm, s_sk, s_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < K
+    x = tl.load(x_ptr + row * s_x + c, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + row * s_sm + (c // 128) * s_sk, mask=ok, other=0.0)
+    tl.store(out_ptr + row * s_o + c, (x * s).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequant(x, scale, dtype=torch.bfloat16):
+    """x [M, K] e4m3 times its row ([M], any strides) or block128 ([M, K/128]) scales, in `dtype`."""
+    M, K = x.shape
+    out = torch.empty((M, K), device=x.device, dtype=dtype)
+    if M and K:
+        blk = min(4096, triton.next_power_of_2(K))
+        s_sk = scale.stride(1) if scale.dim() == 2 else 0
+        _dequant_kernel[(M, triton.cdiv(K, blk))](x, scale, out, K, x.stride(0), scale.stride(0), s_sk, out.stride(0),
+                                                  BLOCK=blk, num_warps=4)
+    return out
 
 
 @triton.jit

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8a2a
+from fp8a2a import experts
 from fp8a2a.experts import FP8GroupedMLP, fp8_weight, resolve_backend
 from fp8a2a.quant import QuantizedTensor
 from fp8a2a.reference import quantize_reference
@@ -102,15 +103,16 @@ def run_shape(name, hidden, ffn, args):
     base = dict(shape=name, variant="bf16 torch._grouped_mm", fwd_ms=t_f, fwd_bwd_ms=t_fb, saved_mb=sv / 2**20,
                 fc1_in_mb=sv1 / 2**20, fwd_tflops=flops / t_f / 1e9, fwd_bwd_tflops=3 * flops / t_fb / 1e9)
     results.append(base)
-    del xb, w1, w2
 
-    variants = [("row", "auto", False, False), ("row", "auto", True, False), ("row", "triton", False, False),
-                ("row", "auto", False, True), ("block128", "auto", False, False),
-                ("block128", "scaled_grouped_mm", False, False)]
+    # (granularity, backend, fp8_dgrad, fast_accum, block128 consumed natively)
+    variants = [("row", "auto", False, True, True), ("row", "auto", True, True, True),
+                ("row", "auto", False, False, True), ("row", "triton", False, True, True),
+                ("block128", "auto", False, True, True), ("block128", "auto", False, True, False)]
     if args.quick:
         variants = variants[:2]
-    for gran, backend, fp8_dgrad, fast_accum in variants:
-        be = resolve_backend(backend, torch.device(dev), gran)
+    for gran, backend, fp8_dgrad, fast_accum, native in variants:
+        experts.BLOCK128_NATIVE = native
+        be = resolve_backend(backend, torch.device(dev))
         mlp = FP8GroupedMLP(E, hidden, ffn, args.act, backend=backend, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum,
                             device=dev)
         mlp.load_state_dict(mlp0.state_dict())
@@ -131,14 +133,15 @@ def run_shape(name, hidden, ffn, args):
                     if fp8_dgrad:
                         fp8_weight(p, transposed=True)
         t_rq = bench(requant)
-        label = f"fp8 {gran} {be}" + (" fp8-dgrad" if fp8_dgrad else "") + (" fast-accum" if fast_accum else "")
+        label = (f"fp8 {gran} {be}" + (" fp8-dgrad" if fp8_dgrad else "") + ("" if fast_accum else " exact-accum")
+                 + ("" if gran == "row" else (" (triton fwd)" if native else " (converted)")))
         results.append(dict(shape=name, variant=label, fwd_ms=t_f, fwd_bwd_ms=t_fb, saved_mb=sv / 2**20,
                             fc1_in_mb=sv1 / 2**20, fwd_tflops=flops / t_f / 1e9, fwd_bwd_tflops=3 * flops / t_fb / 1e9,
                             fwd_x=base["fwd_ms"] / t_f, fwd_bwd_x=base["fwd_bwd_ms"] / t_fb,
                             saved_ratio=sv / (base["saved_mb"] * 2**20), fc1_in_ratio=sv1 / (base["fc1_in_mb"] * 2**20),
                             weight_requant_ms=t_rq))
         print(json.dumps(results[-1]), flush=True)
-        del mlp, q, xa
+    experts.BLOCK128_NATIVE = True
     return results
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8a2a
+from fp8a2a import experts
 from fp8a2a.experts import FP8GroupedMLP, _block_to_row, fp8_weight, grouped_linear, resolve_backend
 from fp8a2a.quant import QuantizedTensor
 from fp8a2a.reference import dequantize_reference, quantize_reference
@@ -21,6 +22,12 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def rel(a, b):
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(names, got, ref, tol):
+    errs = {n: rel(a, b) for n, a, b in zip(names, got, ref)}
+    print(errs)
+    assert all(e < (tol[n] if isinstance(tol, dict) else tol) for n, e in errs.items()), errs
 
 
 def make_q(x, granularity="row"):
@@ -233,17 +240,23 @@ def test_backend_selection_on_cpu():
         FP8GroupedMLP(2, 128, 32, activation="silu")
 
 
-def test_block_to_row_conversion():
+def _block_input(device="cpu"):
     torch.manual_seed(8)
     x = torch.randn(40, 512) * torch.logspace(-2, 1, 512)
     x[3] = 0
     x[5, :128] = 0  # a zero block has scale 1: must not set the row's scale
-    data, scale = quantize_reference(x, "block128")
+    return quantize_reference(x.to(device), "block128")
+
+
+def test_block_to_row_conversion():
+    data, scale = _block_input()
     d, s = _block_to_row(data, scale)
     ref_d, ref_s = quantize_reference(dequantize_reference(data, scale), "row")
-    torch.testing.assert_close(s, ref_s, rtol=1e-6, atol=0)
-    assert (d.float() == ref_d.float()).float().mean() > 0.999
-    assert rel(dequantize_reference(d, s), dequantize_reference(ref_d, ref_s)) < 1e-3
+    assert torch.equal(s, ref_s) and torch.equal(d.view(torch.uint8), ref_d.view(torch.uint8))
+    assert s[3] == 1 and s[5] < 0.1  # zero row; zero block ignored
+    # the conversion costs one e4m3 rounding on the blocks below the row's amax
+    err = rel(dequantize_reference(d, s), dequantize_reference(data, scale))
+    assert 1e-3 < err < 0.05
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,9 +266,18 @@ SHAPES = {"deepseek": (7168, 2048), "mixtral": (4096, 14336), "qwen3": (2048, 76
 GPU_TPE = [300, 0, 77, 1, 130]
 
 
-def _run_mlp(backend, hidden, ffn, act="swiglu", granularity="row", fp8_dgrad=False, rw=True, seed=0):
+MLP_NAMES = ["y", "dx", "dw1", "dw2", "drw"]
+# Fast and reference paths differ by accumulation order (and the scaled path's fast accumulation);
+# the per-row e4m3 rounding of the activation turns a few of those last-bit differences into
+# one-e4m3-step differences, which fc2 carries to y and to every gradient before it.
+TOL = {"triton": 1e-2, "scaled_grouped_mm": 2.5e-2}
+
+
+def _run_mlp(backend, hidden, ffn, act="swiglu", granularity="row", fp8_dgrad=False, rw=True, seed=0,
+             fast_accum=True):
     torch.manual_seed(seed)
-    mlp = FP8GroupedMLP(len(GPU_TPE), hidden, ffn, act, backend=backend, fp8_dgrad=fp8_dgrad, device="cuda")
+    mlp = FP8GroupedMLP(len(GPU_TPE), hidden, ffn, act, backend=backend, fp8_dgrad=fp8_dgrad, device="cuda",
+                        fast_accum=fast_accum)
     x, r = inputs(GPU_TPE, hidden, "cuda", seed)
     r = r if rw else None
     y = mlp(make_q(x, granularity), torch.tensor(GPU_TPE, device="cuda"), r)
@@ -266,37 +288,38 @@ def _run_mlp(backend, hidden, ffn, act="swiglu", granularity="row", fp8_dgrad=Fa
 @gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
-def test_gpu_mlp_vs_reference(backend, shape):
+def test_gpu_mlp_vs_reference(backend, shape, monkeypatch):
     hidden, ffn = SHAPES[shape]
     ref = _run_mlp("reference", hidden, ffn)
-    got = _run_mlp(backend, hidden, ffn)
-    for name, a, b in zip(["y", "dx", "dw1", "dw2", "drw"], got, ref):
-        assert rel(a, b) < 1e-2, (name, rel(a, b))
+    check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
+    if backend == "scaled_grouped_mm" and shape == "deepseek":
+        check(MLP_NAMES, _run_mlp(backend, hidden, ffn, fast_accum=False), ref, 1e-2)
+    if backend == "triton":  # the Triton dgrad / wgrad kernels too (torch._grouped_mm otherwise)
+        monkeypatch.setattr(experts, "TRITON_BACKWARD", True)
+        check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
 
 
 @gpu
 @pytest.mark.parametrize("act", ["gelu", "relu"])
 @pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
 def test_gpu_activations(backend, act):
-    ref = _run_mlp("reference", 2048, 768, act)
-    got = _run_mlp(backend, 2048, 768, act)
-    for name, a, b in zip(["y", "dx", "dw1", "dw2", "drw"], got, ref):
-        assert rel(a, b) < 1e-2, (name, rel(a, b))
+    check(MLP_NAMES, _run_mlp(backend, 2048, 768, act), _run_mlp("reference", 2048, 768, act), TOL[backend])
 
 
 @gpu
 @pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
 def test_gpu_fp8_dgrad(backend):
-    ref = _run_mlp("reference", 2048, 768, fp8_dgrad=True)
-    got = _run_mlp(backend, 2048, 768, fp8_dgrad=True)
-    for name, a, b in zip(["y", "dx", "dw1", "dw2", "drw"], got, ref):
-        assert rel(a, b) < 1e-2, (name, rel(a, b))
+    check(MLP_NAMES, _run_mlp(backend, 2048, 768, fp8_dgrad=True), _run_mlp("reference", 2048, 768, fp8_dgrad=True),
+          TOL[backend])
 
 
 @gpu
-@pytest.mark.parametrize("granularity", ["block128", "tensor"])
+@pytest.mark.parametrize("granularity", ["block128", "block128-convert", "tensor"])
 @pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
-def test_gpu_grouped_linear_granularities(backend, granularity):
+def test_gpu_grouped_linear_granularities(backend, granularity, monkeypatch):
+    convert = granularity == "block128-convert"
+    granularity = granularity.split("-")[0]
+    monkeypatch.setattr(experts, "BLOCK128_NATIVE", not convert)
     tpe = torch.tensor(GPU_TPE, device="cuda")
     torch.manual_seed(9)
     w = (torch.randn(len(GPU_TPE), 768, 2048, device="cuda") * 0.02).bfloat16().requires_grad_()
@@ -304,19 +327,36 @@ def test_gpu_grouped_linear_granularities(backend, granularity):
     for be in ("reference", backend):
         x, rw = inputs(GPU_TPE, 2048, "cuda", 10)
         q = make_q(x, granularity)
-        if be == "scaled_grouped_mm" and granularity == "block128":  # converted to row scales inside
-            d, s = _block_to_row(q.data, q.scale)
-            x2 = x.detach().clone().requires_grad_()
-            ref_conv = grouped_linear(QuantizedTensor(d, s, "row", x2), w.detach(), tpe, rw.detach(),
-                                      backend="reference")
         y = grouped_linear(q, w, tpe, rw, backend=be)
         y.backward(torch.ones_like(y))
         outs[be] = [y.detach(), x.grad, w.grad.clone(), rw.grad]
         w.grad = None
-    for name, a, b in zip(["y", "dx", "dw", "drw"], outs[backend], outs["reference"]):
-        assert rel(a, b) < 1e-2, (name, rel(a, b))
-    if backend == "scaled_grouped_mm" and granularity == "block128":
+    tol = dict(y=1e-2, dx=1e-2, dw=1e-2, drw=1e-2)
+    if backend == "scaled_grouped_mm" and convert:
+        # the forward GEMM ran on the row-converted input (one more e4m3 rounding): close to the
+        # reference on that input; d rw recomputes that forward; dx and dw use the block input as it is
+        d, s = _block_to_row(q.data, q.scale)
+        ref_conv = grouped_linear(QuantizedTensor(d, s, "row"), w.detach(), tpe, rw.detach(), backend="reference")
         assert rel(outs[backend][0], ref_conv) < 1e-2
+        tol.update(y=5e-2, drw=5e-2)
+    check(["y", "dx", "dw", "drw"], outs[backend], outs["reference"], tol)
+
+
+@gpu
+def test_gpu_triton_backward_kernels():
+    from fp8a2a import triton_kernels as tk
+    torch.manual_seed(11)
+    offs = torch.cumsum(torch.tensor(GPU_TPE, device="cuda"), 0, dtype=torch.int32)
+    M = sum(GPU_TPE)
+    g = torch.randn(M, 768, device="cuda").bfloat16()
+    w = torch.randn(len(GPU_TPE), 768, 2048, device="cuda").bfloat16()
+    dx = tk.grouped_mm(g, w, offs, b_strides=(w.stride(0), w.stride(2), w.stride(1)), n=2048)
+    assert rel(dx, experts._ref_mm(g, w.transpose(-2, -1), offs)) < 5e-3
+    for gran in ("row", "block128"):
+        xq, xs = quantize_reference(torch.randn(M, 2048, device="cuda"), gran)
+        dw = tk.grouped_wgrad(g, xq, offs, sx=xs)
+        ref = experts._ref_wgrad(g, dequantize_reference(xq, xs, torch.bfloat16), offs, len(GPU_TPE))
+        assert rel(dw, ref) < 5e-3 and dw[1].abs().max() == 0
 
 
 @gpu
@@ -338,3 +378,29 @@ def test_gpu_scaled_grouped_mm_fallback_and_edges():
     assert rel(mlp(q, one), FP8GroupedMLP.forward(mlp, q, one.cpu())) < 1e-6
     with pytest.raises(ValueError, match="sums to"):
         mlp(q, torch.tensor([0, 0, 49, 0], device="cuda"), check=True)
+
+
+@gpu
+def test_gpu_triton_elementwise_kernels():
+    from fp8a2a import triton_kernels as tk
+    data, scale = _block_input("cuda")
+    d, s = tk.act_quant(data, None, "identity", z_scale=scale)  # block128 -> row, bit-exact to the rule
+    ref_d, ref_s = quantize_reference(dequantize_reference(data, scale), "row")
+    assert torch.equal(s, ref_s) and torch.equal(d.view(torch.uint8), ref_d.view(torch.uint8))
+    for sc in (scale, ref_s):
+        dd = data if sc is scale else ref_d
+        assert torch.equal(tk.dequant(dd, sc), dequantize_reference(dd, sc, torch.bfloat16))
+    x = torch.randn(333, 3000, device="cuda").bfloat16()  # row quantize of a bf16 tensor
+    q, qs = tk.act_quant(x, None, "identity")
+    rq, rqs = quantize_reference(x, "row")
+    assert torch.equal(qs, rqs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    z = torch.randn(333, 2 * 1500, device="cuda").bfloat16()
+    rw = torch.rand(333, device="cuda")
+    for act in ("swiglu", "gelu", "relu"):
+        zz = z if act == "swiglu" else z[:, :1500].contiguous()
+        q, qs = tk.act_quant(zz, rw, act)
+        h = F.silu(zz[:, :1500].float()) * zz[:, 1500:].float() if act == "swiglu" else (
+            F.gelu(zz.float()) if act == "gelu" else F.relu(zz.float()))
+        rq, rqs = quantize_reference(h * rw[:, None], "row")
+        torch.testing.assert_close(qs, rqs, rtol=1e-6, atol=0)
+        assert (q.float() == rq.float()).float().mean() > 0.999
