@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.nn.functional as F
 
 from .quant import QuantizedTensor
@@ -111,6 +112,18 @@ def _quant_rows(x):
     return quantize_reference(x.contiguous(), "row")
 
 
+# Fused optimizers (e.g. AdamW(fused=True)) update weights without bumping their version counter,
+# so the FP8 weight cache is also keyed on a count of optimizer steps, any optimizer's.
+_optimizer_steps = [0]
+
+
+def _count_optimizer_step(*_):
+    _optimizer_steps[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 def _weight_version(w):
     try:
         return w._version
@@ -121,9 +134,10 @@ def _weight_version(w):
 def fp8_weight(weight: torch.Tensor, transposed: bool = False):
     """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
     transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
-    weight tensor; recomputed when the weight's version counter or storage changes."""
+    weight tensor; recomputed when the weight's version counter or storage changes, and after every
+    optimizer step (fused optimizers do not bump version counters)."""
     ver = _weight_version(weight)
-    key = (transposed, ver, weight.data_ptr(), weight.device, tuple(weight.shape))
+    key = (transposed, ver, _optimizer_steps[0], weight.data_ptr(), weight.device, tuple(weight.shape))
     cache = weight.__dict__.get("_fp8a2a_cache")
     if ver is not None and cache is not None and cache.get(transposed, (None,))[0] == key:
         return cache[transposed][1]

@@ -206,6 +206,18 @@ def test_fp8_weight_cache_follows_the_version_counter():
     assert fp8_weight(w) is b  # both kinds cached side by side
 
 
+def test_fp8_weight_cache_refreshes_after_a_fused_optimizer_step():
+    w = torch.nn.Parameter(torch.randn(2, 32, 64))
+    a = fp8_weight(w)
+    w.grad = torch.randn_like(w)
+    version = w._version
+    torch.optim.AdamW([w], lr=0.1, fused=True).step()
+    assert w._version == version  # the fused step does not bump the counter...
+    b = fp8_weight(w)
+    assert b is not a  # ...but the cache still sees the step
+    torch.testing.assert_close(b[0].float() * b[1][..., None], w.detach().float(), rtol=0.07, atol=1e-3)
+
+
 def test_zero_rows():
     mlp = FP8GroupedMLP(3, 128, 32)
     x = torch.zeros(0, 128, requires_grad=True)
