@@ -1,0 +1,263 @@
+"""FP8AlltoAllTokenDispatcher: Megatron-core's six-stage token-dispatcher interface on fp8a2a.Dispatcher.
+
+Stages and the state they leave on the dispatcher (Megatron's overlap schedules call them one by
+one, possibly on different streams, and may detach and free the tensors passed between them):
+
+  dispatch_preprocess(x, routing_map, probs)  local only: routing_map/probs [T, E] -> topk_idx/weights
+                                              [T, K]; keeps x and topk_idx; returns (x carrier, weights)
+  token_dispatch(carrier, weights)            the exchange: fp8a2a.Dispatcher.dispatch (quantize+pack,
+                                              counts, one host sync (none in the capacity mode), rows,
+                                              unpack); keeps the result;
+                                              returns (rows carrier, received router weights [N])
+  dispatch_postprocess(carrier, weights)      local only: the rows for the experts, FP8
+                                              (QuantizedTensor, when the experts take it) or dequantized
+                                              to x's dtype; tokens_per_expert; weights in probs' dtype
+  combine_preprocess(expert_out)              identity (rows are already expert-major)
+  token_combine(expert_out)                   the exchange back: fp8a2a.Dispatcher.combine, unweighted
+                                              (Megatron's experts already applied the probs)
+  combine_postprocess(y)                      reshape to x's shape (+ the overlapped shared experts)
+
+Between stages only "carriers" travel: zero-stride tensors of the right shape, with no memory, whose
+gradient is passed straight through. The payload (x, the FP8 rows and scales) stays on the
+dispatcher. So a schedule that detaches a stage's inputs (and frees their storage, as Megatron's
+combined 1F1B schedule does) neither frees x (a view of the layernorm output that the router and
+shared experts still need) nor the received rows, and the gradients still flow stage by stage
+through the tensors the schedule handed over. The router weights are copied once (T x K floats) in
+token_dispatch for the same reason.
+
+Groups: with expert-TP size 1 the exchange runs over the EP group. With expert-TP > 1 it runs over
+the TP x EP group with Dispatcher(expert_tp_size=...): each token goes straight to every expert-TP
+rank of its expert's EP rank (what Megatron's all-to-all + TP all-gather achieve, in FP8 bytes);
+the combine sums the expert-TP partial outputs (Megatron's reduce-scatter).
+
+Capacity (options.py, --fp8a2a-capacity-mode): Megatron's router applies moe_expert_capacity_factor
+(dropping) in every mode. Drop-and-pad (moe_pad_expert_input_to_capacity) maps to the Dispatcher's
+capacity mode (static shapes, no host sync, every local expert gets R x capacity rows, padding rows
+zero with weight 0: the shapes and results of Megatron's alltoall drop-and-pad); the router's own
+padding slots (probability 0) are never sent.
+"""
+import math
+import warnings
+from typing import Optional
+
+import torch
+
+from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from ..dispatcher import Dispatcher
+from ..quant import QuantizedTensor, dequantize
+from .options import resolve
+
+
+class _Carrier(torch.autograd.Function):
+    """A stand-in for `x` between two stages: no memory, gradient straight through to `x`."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_empty(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Attach(torch.autograd.Function):
+    """`value` (no grad) again, with its gradient handed to `carrier`."""
+
+    @staticmethod
+    def forward(ctx, carrier, value):
+        ctx.dtype = carrier.dtype
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+def _attach(carrier: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    value = value.detach()
+    if carrier is not None and carrier.requires_grad and torch.is_grad_enabled():
+        return _Attach.apply(carrier, value)
+    return value
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """Megatron's dense routing ([T, E] bool map, [T, E] probs) -> (topk_idx [T, k] int64, -1 where
+    unused, experts in ascending order; topk_weights [T, k] in probs' dtype, differentiable).
+    Rows must hold at most `topk` experts (the router guarantees it); no host sync."""
+    t, e = routing_map.shape
+    k = max(1, min(int(topk), e))
+    order = torch.arange(e, 0, -1, device=routing_map.device, dtype=torch.int32)
+    key = routing_map.to(torch.int32) * order
+    val, idx = torch.topk(key, k, dim=1, sorted=True)
+    valid = val > 0
+    weights = torch.where(valid, probs.gather(1, idx), torch.zeros((), dtype=probs.dtype, device=probs.device))
+    return torch.where(valid, idx, torch.full_like(idx, -1)), weights
+
+
+_warned = set()
+
+
+def _warn_once(key, msg):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, stacklevel=3)
+
+
+class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
+    """--moe-token-dispatcher-type fp8_alltoall (see the module docstring).
+
+    Options (granularity, capacity mode, FP8 combine, FP8 dispatch backward, BF16 threshold) come
+    from fp8a2a.megatron.options.resolve(config). `deliver_fp8` is set by the MoELayer hook of
+    fp8a2a.megatron.register() when the experts consume QuantizedTensor rows (the FP8 experts of
+    fp8a2a.megatron.fp8_experts_spec); Megatron's own experts get dequantized rows."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None):
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+            pg_collection = get_default_pg_collection()
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.router_topk = config.moe_router_topk
+        self.ep_rank = mcore_utils.get_pg_rank(self.ep_group)
+        if num_local_experts < 1 or self.local_expert_indices != list(
+                range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts)):
+            raise ValueError(f"fp8a2a: expected the contiguous local experts of EP rank {self.ep_rank}, got "
+                             f"{self.local_expert_indices}")
+
+        self.options = resolve(config)
+        factor = getattr(config, "moe_expert_capacity_factor", None)
+        pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+        mode = self.options.capacity_mode
+        if mode == "static" and factor is None:
+            raise ValueError("fp8a2a: --fp8a2a-capacity-mode static needs --moe-expert-capacity-factor")
+        # Megatron's router applies the capacity (moe_expert_capacity_factor) and, for drop-and-pad,
+        # also marks padding slots in routing_map with probability 0. Those slots add exactly 0 to
+        # the output and to every gradient: they are never sent. In the capacity mode the
+        # Dispatcher pads every (source rank, local expert) to the same capacity itself.
+        self.capacity_factor = factor if (mode == "static" or (mode == "auto" and pad)) else None
+        self.strip_capacity_padding = pad
+        if getattr(config, "moe_router_padding_for_quantization", False):
+            _warn_once("router_padding", "fp8a2a: moe_router_padding_for_quantization is ignored by fp8_alltoall "
+                       "(no padding rows are sent; Megatron's experts pad their own FP8/FP4 inputs)")
+
+        tp = self.tp_size
+        group = self.ep_group
+        if tp > 1:  # expert TP: every TP rank of an expert's EP rank gets its tokens (Dispatcher.expert_tp_size)
+            group = self.tp_ep_group
+            want = self.ep_rank * tp + self.tp_rank
+            got = mcore_utils.get_pg_rank(self.tp_ep_group)
+            if got != want or mcore_utils.get_pg_size(self.tp_ep_group) != tp * self.ep_size:
+                raise ValueError(f"fp8a2a: unexpected TP x EP group layout (rank {got}, expected ep_rank * tp_size "
+                                 f"+ tp_rank = {want})")
+        self.dispatcher = Dispatcher(self.num_experts, group=group, granularity=self.options.granularity,
+                                     fp8_combine=self.options.fp8_combine,
+                                     fp8_dispatch_backward=self.options.fp8_dispatch_backward,
+                                     bf16_below_bytes=int(self.options.bf16_below_bytes), expert_tp_size=tp,
+                                     capacity_factor=self.capacity_factor)
+        self.deliver_fp8 = False
+        self.shared_experts = None
+
+        # state between stages
+        self.hidden_shape = None
+        self._x: Optional[torch.Tensor] = None
+        self._topk_idx: Optional[torch.Tensor] = None
+        self._probs_dtype = None
+        self._out = None
+        self._handle = None
+        self.cudagraph_attrs = ["_x", "_topk_idx"]
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _check_capacity(self, tokens):
+        """Megatron's router kept at most get_capacity(T * K, E, factor) slots per expert; the
+        Dispatcher's capacity mode computes its own capacity from the same numbers. They agree
+        unless float rounding differs at an exact integer; then say so (it would drop more)."""
+        key = ("capacity", tokens)
+        if key in _warned:
+            return
+        k, e, f = self.router_topk, self.num_experts, self.capacity_factor
+        megatron = math.ceil((tokens * k / e) * f)
+        ours = max(1, math.ceil(f * tokens * k / e))
+        if ours < megatron:
+            _warn_once(key, f"fp8a2a: capacity {ours} of the Dispatcher's capacity mode is below Megatron's "
+                            f"{megatron} for {tokens} tokens (float rounding); it may drop a few more slots")
+        _warned.add(key)
+
+    def _shared(self, name, *args):
+        fn = getattr(self.shared_experts, name, None) if self.shared_experts is not None else None
+        if fn is not None:
+            return fn(*args)
+        return None
+
+    # ---- the six stages ------------------------------------------------------------------------
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        assert probs.dim() == 2 and routing_map.dim() == 2, "Expected 2D probs and routing_map"
+        assert routing_map.dtype == torch.bool, "Expected a bool routing_map"
+        self.hidden_shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if self.strip_capacity_padding:
+            routing_map = routing_map & (probs != 0)
+        if self.capacity_factor is not None:
+            self._check_capacity(routing_map.shape[0])
+        idx, weights = routing_map_to_topk(routing_map, probs, self.router_topk)
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(x.view(self.hidden_shape))
+        self._x, self._topk_idx, self._probs_dtype = x, idx, probs.dtype
+        return _Carrier.apply(x), weights
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        x = _attach(hidden_states, self._x)
+        weights = probs.to(torch.float32, copy=True)  # ours: the schedule may free its inputs
+        self._shared("wait_current_stream")
+        out = self.dispatcher.dispatch(x, self._topk_idx, weights)
+        self._out, self._handle = out, out.handle
+        if isinstance(out.tokens, QuantizedTensor):
+            carrier = out.tokens.grad_anchor
+        else:
+            carrier = _Carrier.apply(out.tokens)
+        if carrier is None:
+            carrier = x.new_empty(()).expand(out.handle.num_rows, out.handle.hidden)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(carrier)
+        return carrier, out.weights
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        out, self._out = self._out, None
+        probs = probs.to(self._probs_dtype)
+        carrier = hidden_states if hidden_states.requires_grad else None
+        tokens = out.tokens
+        if isinstance(tokens, QuantizedTensor):
+            tokens = QuantizedTensor(tokens.data, tokens.scale, tokens.granularity,
+                                     grad_anchor=carrier if torch.is_grad_enabled() else None)
+            if self.deliver_fp8:
+                return tokens, out.tokens_per_expert, probs
+            tokens = dequantize(tokens, out.handle.dtype)
+        else:
+            tokens = _attach(carrier, tokens)
+        if self.deliver_fp8:
+            return tokens, out.tokens_per_expert, probs
+        # Megatron's experts call tokens_per_expert.tolist(): a host tensor costs no sync
+        return tokens, torch.tensor(out.handle.tokens_per_expert_list, dtype=torch.int64), probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
+        self._shared("wait_current_stream")
+        y = self.dispatcher.combine(hidden_states, self._handle, apply_weights=False)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(y)
+            self.shared_experts.post_forward_comm()
+        return y
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        self._x = self._topk_idx = self._handle = None
+        return output

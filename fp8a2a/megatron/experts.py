@@ -1,0 +1,203 @@
+"""FP8 experts for Megatron MoE layers: Megatron's expert modules (same parameters, init, TP
+sharding, state_dict and sharded_state_dict: checkpoints keep their layout) whose forward runs
+fp8a2a.FP8GroupedMLP on the FP8 rows that fp8_alltoall delivers (no dequantize in between).
+
+Per forward, the local experts' fc1 / fc2 weights are stacked to FP8GroupedMLP's [E, out, in]
+layout (one copy of the local expert weights; the gradients flow back to Megatron's parameters
+through the stack) and FP8GroupedMLP quantizes them per output channel. Supported: SwiGLU (gated
+SiLU), GELU and ReLU experts without bias; expert-TP shards work as they are (fc2 partial sums are
+added by the dispatcher's combine).
+
+fp8_experts_spec(spec) swaps these classes into a layer spec (ModuleSpec trees of megatron-core
+0.16, partial builders of 0.19)."""
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import QuantizedTensor
+
+_ACTIVATIONS = {F.silu: "swiglu", F.gelu: "gelu", F.relu: "relu"}
+
+
+def _activation_name(config) -> str:
+    act = getattr(config, "activation_func", None)
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    if getattr(config, "use_te_activation_func", False):
+        raise ValueError("fp8a2a: FP8 experts do not support use_te_activation_func")
+    if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0.0):
+        raise ValueError("fp8a2a: FP8 experts do not support activation_func_clamp_value / glu_linear_offset")
+    name = _ACTIVATIONS.get(act)
+    if name == "swiglu" and gated:
+        return "swiglu"
+    if name in ("gelu", "relu") and not gated:
+        return name
+    raise ValueError(f"fp8a2a: FP8 experts support gated SiLU (SwiGLU), GELU and ReLU; got "
+                     f"activation_func={act}, gated_linear_unit={gated}")
+
+
+class _FP8ExpertsMixin:
+    """forward(tokens, tokens_per_expert, probs) -> (y [N, H], None) through FP8GroupedMLP."""
+
+    fp8a2a_accepts_quantized = True
+
+    def _fp8_setup(self, config, fc1_out, hidden, ffn):
+        from ..experts import FP8GroupedMLP  # lazily: written alongside, and it pulls Triton where present
+
+        if getattr(config, "add_bias_linear", False):
+            raise ValueError("fp8a2a: FP8 experts do not support add_bias_linear")
+        if getattr(config, "moe_apply_probs_on_input", False):
+            raise ValueError("fp8a2a: FP8 experts do not support moe_apply_probs_on_input")
+        act = _activation_name(config)
+        want = (2 if act == "swiglu" else 1) * ffn
+        if fc1_out != want:
+            raise ValueError(f"fp8a2a: fc1 has {fc1_out} outputs, expected {want} for {act}")
+        # Compute only: its own parameters live on the meta device and are replaced per call by
+        # the stacked Megatron weights (torch.func.functional_call). Kept out of the module tree,
+        # so parameters, state_dict and checkpoints are exactly Megatron's.
+        self.__dict__["_fp8a2a_impl"] = FP8GroupedMLP(self.num_local_experts, hidden, ffn, act, device="meta")
+
+    def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn])
+        raise NotImplementedError
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
+        x = permuted_local_hidden_states
+        if not isinstance(x, QuantizedTensor) and x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
+        w1, w2 = self._fp8_weights()
+        y = torch.func.functional_call(self._fp8a2a_impl, {"fc1_weight": w1, "fc2_weight": w2},
+                                       (x, tokens_per_expert, permuted_probs.reshape(-1)))
+        return y, None
+
+
+def _sequential_cls():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class FP8SequentialMLP(_FP8ExpertsMixin, SequentialMLP):
+        """Megatron's SequentialMLP (local_experts.{i}.linear_fc1/linear_fc2), FP8 grouped forward."""
+
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None, **kwargs):
+            SequentialMLP.__init__(self, num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs)
+            fc1 = self.local_experts[0].linear_fc1.weight
+            fc2 = self.local_experts[0].linear_fc2.weight
+            self._fp8_setup(self.config, fc1.shape[0], fc1.shape[1], fc2.shape[1])
+
+        def _fp8_weights(self):
+            return (torch.stack([e.linear_fc1.weight for e in self.local_experts]),
+                    torch.stack([e.linear_fc2.weight for e in self.local_experts]))
+
+    return FP8SequentialMLP
+
+
+def _te_grouped_cls():
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    class FP8TEGroupedMLP(_FP8ExpertsMixin, TEGroupedMLP):
+        """Megatron's TEGroupedMLP (linear_fc1.weight{i} / linear_fc2.weight{i}), FP8 grouped forward.
+        Needs TransformerEngine to build (as TEGroupedMLP does); not tested without TE."""
+
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None, **kwargs):
+            TEGroupedMLP.__init__(self, num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs)
+            w1, w2 = self._fp8_weights()
+            self._fp8_setup(self.config, w1.shape[1], w1.shape[2], w2.shape[2])
+
+        def _weights_of(self, linear):
+            ws = [getattr(linear, f"weight{i}", None) for i in range(self.num_local_experts)]
+            if any(w is None for w in ws):
+                raise ValueError("fp8a2a: FP8TEGroupedMLP needs TE GroupedLinear weights weight0..weight{E-1}")
+            return torch.stack([w for w in ws])
+
+        def _fp8_weights(self):
+            return self._weights_of(self.linear_fc1), self._weights_of(self.linear_fc2)
+
+    return FP8TEGroupedMLP
+
+
+@functools.lru_cache(None)
+def fp8_expert_classes():
+    """{Megatron expert class: its FP8 counterpart}, for the classes this megatron-core has."""
+    from megatron.core.transformer.moe import experts as mx
+
+    out = {mx.SequentialMLP: _sequential_cls()}
+    if hasattr(mx, "TEGroupedMLP"):
+        out[mx.TEGroupedMLP] = _te_grouped_cls()
+    return out
+
+
+def _swap_class(obj):
+    if not isinstance(obj, type):
+        return None
+    classes = fp8_expert_classes()
+    if obj in classes.values():
+        return obj
+    for base, fp8 in classes.items():
+        if obj is base:
+            return fp8
+    from megatron.core.transformer.moe import experts as mx
+    if obj.__name__ == "GroupedMLP" and getattr(mx, "GroupedMLP", None) is obj:
+        raise ValueError("fp8a2a: the legacy GroupedMLP has no FP8 counterpart; build the spec with "
+                         "SequentialMLP (local spec) or TEGroupedMLP (TE spec, moe_grouped_gemm=True)")
+    return None
+
+
+def _swap(obj, inside_moe: bool, found: list):
+    """A copy of a spec object with the experts of every MoE submodules replaced."""
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(obj, ModuleSpec):
+        module = obj.module
+        if inside_moe:
+            new = _swap_class(module)
+            if new is not None:
+                found.append(new)
+                module = new
+        sub = _swap(obj.submodules, False, found) if obj.submodules is not None else None
+        if module is obj.module and sub is obj.submodules:
+            return obj
+        return dataclasses.replace(obj, module=module, submodules=sub)
+    if isinstance(obj, functools.partial):
+        func = obj.func
+        if inside_moe:
+            new = _swap_class(func)
+            if new is not None:
+                found.append(new)
+                func = new
+        args = tuple(_swap(a, False, found) for a in obj.args)
+        kw = {k: _swap(v, False, found) for k, v in obj.keywords.items()}
+        if func is obj.func and all(a is b for a, b in zip(args, obj.args)) and \
+                all(kw[k] is obj.keywords[k] for k in kw):
+            return obj
+        return functools.partial(func, *args, **kw)
+    if isinstance(obj, MoESubmodules):
+        experts = _swap(obj.experts, True, found)
+        if experts is obj.experts:
+            return obj
+        return dataclasses.replace(obj, experts=experts)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            if not f.init:
+                continue
+            v = getattr(obj, f.name, None)
+            nv = _swap(v, False, found)
+            if nv is not v:
+                changes[f.name] = nv
+        return dataclasses.replace(obj, **changes) if changes else obj
+    if isinstance(obj, (list, tuple)):
+        items = [_swap(v, False, found) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(items) if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def fp8_experts_spec(spec):
+    """A copy of a Megatron layer / block / MoE spec whose MoE experts (SequentialMLP, TEGroupedMLP)
+    are replaced by their FP8 counterparts. Raises ValueError if the spec has no MoE experts."""
+    found = []
+    out = _swap(spec, False, found)
+    if not found:
+        raise ValueError("fp8a2a: no MoE experts (SequentialMLP / TEGroupedMLP) found in this spec")
+    return out

@@ -1,0 +1,80 @@
+"""Options of the fp8_alltoall dispatcher and where they come from (no megatron import here).
+
+Each option is looked up, first match wins:
+  1. an attribute `fp8a2a_<name>` on the TransformerConfig (set it in programs that build their own
+     config, e.g. `config.fp8a2a_granularity = "block128"`),
+  2. the same attribute on megatron.training's global args, when that module is in use and the
+     flag was given (--fp8a2a-granularity ...; the parser defaults are None = not given),
+  3. the defaults given to fp8a2a.megatron.register(...),
+  4. the built-in defaults below.
+"""
+import sys
+from dataclasses import dataclass, fields, replace
+
+from ..dispatcher import DEFAULT_BF16_BELOW_BYTES
+
+FP8_ALLTOALL = "fp8_alltoall"
+GRANULARITIES = ("row", "block128", "tensor")
+# How Megatron's capacity settings (moe_expert_capacity_factor, moe_pad_expert_input_to_capacity)
+# map onto fp8a2a.Dispatcher (see dispatcher.py):
+#   auto:     drop-and-pad -> the Dispatcher's capacity mode (static shapes, no host sync);
+#             a capacity factor without padding -> the router's dropping, variable shapes
+#   static:   the capacity mode whenever a capacity factor is set, padded or not
+#   variable: never the capacity mode; drop-and-pad then leaves the padding rows out (the same
+#             outputs and gradients, fewer rows, the one host sync of the default mode)
+CAPACITY_MODES = ("auto", "static", "variable")
+
+
+@dataclass(frozen=True)
+class Options:
+    granularity: str = "row"
+    capacity_mode: str = "auto"
+    fp8_combine: bool = False
+    fp8_dispatch_backward: bool = False
+    bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES
+
+    def validate(self) -> "Options":
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"fp8a2a: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.capacity_mode not in CAPACITY_MODES:
+            raise ValueError(f"fp8a2a: capacity mode must be one of {CAPACITY_MODES}, got {self.capacity_mode!r}")
+        if int(self.bf16_below_bytes) < 0:
+            raise ValueError(f"fp8a2a: bf16_below_bytes must be >= 0, got {self.bf16_below_bytes}")
+        return self
+
+
+NAMES = tuple(f.name for f in fields(Options))
+_registered = Options()
+
+
+def set_defaults(**kwargs) -> Options:
+    """Process-wide defaults (what register(**kwargs) sets)."""
+    global _registered
+    unknown = set(kwargs) - set(NAMES)
+    if unknown:
+        raise TypeError(f"fp8a2a: unknown option(s) {sorted(unknown)}; known: {list(NAMES)}")
+    _registered = replace(_registered, **kwargs).validate()
+    return _registered
+
+
+def reset_defaults():
+    global _registered
+    _registered = Options()
+
+
+def _training_args():
+    gv = sys.modules.get("megatron.training.global_vars")
+    return getattr(gv, "_GLOBAL_ARGS", None) if gv is not None else None
+
+
+def resolve(config=None) -> Options:
+    args = _training_args()
+    values = {}
+    for name in NAMES:
+        attr = "fp8a2a_" + name
+        for source in (config, args):
+            value = getattr(source, attr, None) if source is not None else None
+            if value is not None:
+                values[name] = value
+                break
+    return replace(_registered, **values).validate()

@@ -1,0 +1,70 @@
+"""Helpers to run Megatron-core MoE layers where Megatron itself assumes CUDA and TransformerEngine
+(CPU tests, the CPU mode of scripts/train_moe_megatron.py). Not used by the adapter itself.
+
+* PortableTopKRouter: TopKRouter whose gating is a plain torch linear on the input's device.
+  megatron-core 0.16's TopKRouter.gating moves its weight to CUDA, and its router_gating_linear
+  raises NameError (te_general_gemm) when TransformerEngine is not installed. Routing, scoring,
+  capacity dropping and load-balancing losses are Megatron's own.
+* with_portable_router(spec): a copy of a layer/MoE spec using PortableTopKRouter.
+* cpu_current_device(): makes torch.cuda.current_device() return the CPU device on a machine
+  without CUDA (Megatron allocates some buffers there); for tests and CPU examples only.
+"""
+import dataclasses
+import functools
+
+import torch
+
+
+@functools.lru_cache(None)
+def _router_cls():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class PortableTopKRouter(TopKRouter):
+        def gating(self, input):
+            dtype = input.dtype
+            router_dtype = getattr(self.config, "moe_router_dtype", None)
+            if router_dtype == "fp32":
+                dtype = torch.float32
+            elif router_dtype == "fp64":
+                dtype = torch.float64
+            bias = None if getattr(self, "bias", None) is None else self.bias.to(dtype)
+            return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+    return PortableTopKRouter
+
+
+def portable_router():
+    return _router_cls()
+
+
+def with_portable_router(spec):
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    def swap(obj):
+        if isinstance(obj, MoESubmodules):
+            return dataclasses.replace(obj, router=_router_cls())
+        if isinstance(obj, ModuleSpec):
+            sub = swap(obj.submodules)
+            return obj if sub is obj.submodules else dataclasses.replace(obj, submodules=sub)
+        if isinstance(obj, functools.partial):
+            kw = {k: swap(v) for k, v in obj.keywords.items()}
+            args = tuple(swap(a) for a in obj.args)
+            return functools.partial(obj.func, *args, **kw)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            changes = {f.name: swap(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+            changes = {k: v for k, v in changes.items() if v is not getattr(obj, k)}
+            return dataclasses.replace(obj, **changes) if changes else obj
+        if isinstance(obj, list):
+            return [swap(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(swap(v) for v in obj)
+        return obj
+
+    return swap(spec)
+
+
+def cpu_current_device():
+    """Without CUDA, let torch.cuda.current_device() name the CPU (process-wide; tests/examples)."""
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")

@@ -1,0 +1,506 @@
+"""fp8a2a.megatron against real megatron-core (0.16.1 in CI) on 1, 2 and 4 gloo ranks.
+
+Reference: the same MoELayer (router, experts, weights, inputs) with Megatron's own `allgather`
+dispatcher, which runs on CPU (Megatron's `alltoall` needs CUDA streams; scripts/
+gpu_megatron_check.py compares with it on a GPU). Unquantized (BF16 fallback wire) runs must
+match it to float32 rounding; FP8 runs within FP8 tolerance. Megatron assumes CUDA in two
+places on CPU, worked around in fp8a2a.megatron.testing (plain-torch router gating; CPU
+current_device in the child processes)."""
+import argparse
+import functools
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.utils import make_viewless_tensor
+
+import fp8a2a.megatron as fm
+from fp8a2a.megatron.dispatcher import FP8AlltoAllTokenDispatcher, routing_map_to_topk
+from fp8a2a.megatron.testing import cpu_current_device, with_portable_router
+
+from .distributed import run_ranks
+
+HAVE_FP8_EXPERTS = os.path.exists(os.path.join(os.path.dirname(fm.__file__), "..", "experts.py"))
+RAW = 1 << 40  # bf16_below_bytes that keeps every dispatch unquantized
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    fm.register()
+    yield
+    fm.unregister()
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_config(dispatcher, **over):
+    fp8 = {k: over.pop(k) for k in list(over) if k.startswith("fp8a2a_")}
+    kw = dict(num_layers=1, hidden_size=128, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=8,
+              moe_router_topk=2, use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
+              activation_func=F.silu, moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher)
+    kw.update(over)
+    cfg = TransformerConfig(**kw)
+    for k, v in fp8.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def moe_spec(num_experts, fp8_experts=False):
+    spec = with_portable_router(get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False))
+    return fm.fp8_experts_spec(spec) if fp8_experts else spec
+
+
+def build(spec, cfg):
+    if isinstance(spec, functools.partial):  # megatron-core >= 0.19 builders
+        return spec(config=cfg)
+    return build_module(spec, config=cfg)
+
+
+def init_parallel(ep, etp=1):
+    cpu_current_device()
+    ps.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                 create_gloo_process_groups=False)
+
+
+# ---- the layer against Megatron's allgather dispatcher ------------------------------------------
+
+BASE = dict(hidden=128, experts=8, topk=2, seq=6, batch=2, dtype=torch.float32, tol=1e-5, fp8=False)
+CASES = {
+    # unquantized wire: must equal allgather to float32 rounding
+    "raw": dict(),
+    "capacity_drop": dict(config=dict(moe_expert_capacity_factor=0.5)),  # router-side dropping
+    "drop_and_pad_variable": dict(config=dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True,
+                                              fp8a2a_capacity_mode="variable")),
+    "pad_beyond_tokens_variable": dict(config=dict(moe_expert_capacity_factor=4.0,
+                                                   moe_pad_expert_input_to_capacity=True,
+                                                   fp8a2a_capacity_mode="variable")),
+    "shared_experts": dict(config=dict(moe_shared_expert_intermediate_size=96)),
+    "router_options": dict(config=dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                       moe_router_topk_scaling_factor=2.0, moe_router_load_balancing_type="seq_aux_loss",
+                                       moe_aux_loss_coeff=0.01)),
+    "topk1_gelu": dict(topk=1, config=dict(gated_linear_unit=False, activation_func=F.gelu, moe_aux_loss_coeff=0.01,
+                                          moe_router_pre_softmax=True)),
+    "e16_k4": dict(experts=16, topk=4),
+    # FP8 wire (row / block128 / tensor scales), Megatron's experts on dequantized rows
+    "fp8_row": dict(fp8=True, tol=0.1),
+    "fp8_block128": dict(fp8=True, tol=0.1, config=dict(fp8a2a_granularity="block128")),
+    "fp8_tensor": dict(fp8=True, tol=0.1, config=dict(fp8a2a_granularity="tensor")),
+    "fp8_all_directions": dict(fp8=True, tol=0.15, config=dict(fp8a2a_fp8_combine=True,
+                                                               fp8a2a_fp8_dispatch_backward=True)),
+    "fp8_bf16": dict(fp8=True, tol=0.1, dtype=torch.bfloat16, config=dict(params_dtype=torch.bfloat16, bf16=True)),
+    # drop-and-pad -> fp8a2a's capacity mode (always FP8 on the wire; static rows per expert)
+    "drop_and_pad": dict(fp8=True, tol=0.1, static_rows=0.5,
+                         config=dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)),
+    "pad_beyond_tokens": dict(fp8=True, tol=0.1, static_rows=4.0,
+                              config=dict(moe_expert_capacity_factor=4.0, moe_pad_expert_input_to_capacity=True)),
+    "capacity_static": dict(fp8=True, tol=0.1, static_rows=0.5,
+                            config=dict(moe_expert_capacity_factor=0.5, fp8a2a_capacity_mode="static")),
+}
+if HAVE_FP8_EXPERTS:
+    CASES["fp8_experts"] = dict(fp8=True, tol=0.15, fp8_experts=True)
+    CASES["fp8_experts_raw_wire"] = dict(fp8=False, tol=0.15, fp8_experts=True)
+
+
+def layer_scenario(rank, world, case):
+    c = {**BASE, **case}
+    init_parallel(c.get("ep", world), c.get("etp", 1))
+    try:
+        over = dict(num_moe_experts=c["experts"], moe_router_topk=c["topk"], hidden_size=c["hidden"],
+                    **c.get("config", {}))
+        over.setdefault("fp8a2a_bf16_below_bytes", 0 if c["fp8"] else RAW)
+        ref_over = {k: v for k, v in over.items() if not k.startswith("fp8a2a_")}
+        torch.manual_seed(1)
+        ref = build(moe_spec(c["experts"]), make_config("allgather", **ref_over))
+        cfg = make_config(fm.FP8_ALLTOALL, **over)
+        torch.manual_seed(1)
+        mine = build(moe_spec(c["experts"], c.get("fp8_experts", False)), cfg)
+        assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher)
+        assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL
+        assert mine.token_dispatcher.deliver_fp8 == c.get("fp8_experts", False)
+        assert list(mine.state_dict()) == list(ref.state_dict())  # same parameters, same checkpoint layout
+        mine.load_state_dict(ref.state_dict())
+
+        seen = []
+        mine.experts.register_forward_pre_hook(lambda mod, args: seen.append(torch.as_tensor(args[1]).tolist()))
+        g = torch.Generator().manual_seed(10 + rank)
+        x = torch.randn(c["seq"], c["batch"], c["hidden"], generator=g).to(c["dtype"])
+        G = torch.randn(x.shape, generator=g).to(c["dtype"])
+        results = []
+        for m in (ref, mine):
+            xi = x.clone().requires_grad_()
+            y, bias = m(xi)
+            assert bias is None and y.shape == x.shape and y.dtype == x.dtype
+            (y.float() * G.float()).sum().backward()
+            results.append((y, xi.grad, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        (y_ref, gx_ref, gp_ref), (y, gx, gp) = results
+        tol = c["tol"]
+        errors = {"y": rel(y, y_ref), "x.grad": rel(gx, gx_ref)}
+        assert set(gp) == set(gp_ref), (set(gp) ^ set(gp_ref))
+        for n in gp_ref:
+            errors[n] = rel(gp[n], gp_ref[n])
+        bad = {k: v for k, v in errors.items() if not v < (tol * 1.5 if "router" in k else tol)}
+        assert not bad, f"rank {rank}: errors above {tol}: {bad}"
+        if c["fp8"]:
+            assert errors["y"] > 1e-4, "an FP8 case must actually quantize"
+        if "static_rows" in c:  # capacity mode: every local expert gets world x capacity rows
+            capacity = -(-c["seq"] * c["batch"] * c["topk"] * c["static_rows"] // c["experts"])
+            assert seen == [[int(world * capacity)] * (c["experts"] // c.get("ep", world))], seen
+        else:
+            assert sum(seen[0]) <= c["seq"] * c["batch"] * c["topk"] * world
+        return errors["y"]
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_matches_allgather_2_ranks(name):
+    run_ranks(2, layer_scenario, CASES[name])
+
+
+@pytest.mark.parametrize("name", ["raw", "fp8_row", "e16_k4", "drop_and_pad", "drop_and_pad_variable"])
+def test_layer_matches_allgather_4_ranks(name):
+    run_ranks(4, layer_scenario, CASES[name])
+
+
+@pytest.mark.parametrize("name", ["raw", "fp8_row", "drop_and_pad"])
+def test_expert_tensor_parallel(name):
+    """EP=2 x expert-TP=2 on 4 ranks: the exchange runs over the TP x EP group."""
+    run_ranks(4, layer_scenario, {**CASES[name], "ep": 2, "etp": 2})
+
+
+def test_single_rank_layer():
+    run_ranks(1, layer_scenario, CASES["fp8_row"])
+
+
+# ---- the six stages as Megatron's combined-1F1B schedule drives them -----------------------------
+
+class _Node:
+    """What megatron.core.pipeline_parallel.utils.ScheduleNode does on CPU: detach (viewless) inputs,
+    run, optionally free the storage of the inputs it was given, and later backward stage by stage."""
+
+    def __init__(self, fn, free_input):
+        self.fn, self.free_input, self.detached, self.before = fn, free_input, (), ()
+
+    def detach(self, t):
+        d = make_viewless_tensor(t, requires_grad=t.requires_grad, keep_graph=True).detach()
+        d.requires_grad = t.requires_grad
+        self.before, self.detached = self.before + (t,), self.detached + (d,)
+        return d
+
+    def forward(self, *inputs):
+        self.inputs = []
+        for e in inputs:
+            d = make_viewless_tensor(e, requires_grad=e.requires_grad, keep_graph=True).detach()
+            d.requires_grad = e.requires_grad
+            self.inputs.append(d)
+        out = self.fn(self, *self.inputs)
+        self.out = out if isinstance(out, tuple) else (out,)
+        if self.free_input:
+            for e in inputs:
+                e.untyped_storage().resize_(0)
+        return out
+
+    def backward(self, *grads):
+        outs = [o for o in self.out + self.before]
+        grads = list(grads) + [d.grad for d in self.detached]
+        pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return tuple(e.grad for e in self.inputs)
+
+
+def schedule_scenario(rank, world, fp8):
+    init_parallel(world)
+    try:
+        cfg = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0 if fp8 else RAW, moe_aux_loss_coeff=0.01)
+        torch.manual_seed(1)
+        layer = build(moe_spec(8), cfg)
+        g = torch.Generator().manual_seed(10 + rank)
+        x = torch.randn(6, 2, 128, generator=g)
+        G = torch.randn(x.shape, generator=g)
+
+        xa = x.clone().requires_grad_()
+        y_ref, _ = layer(xa)
+        (y_ref * G).sum().backward()
+        ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+
+        state = {}
+
+        def pre(node, h):  # router + dispatch_preprocess (attention omitted)
+            probs, routing_map = layer.route(h)
+            return layer.preprocess(h, probs, routing_map)
+
+        def dispatch(node, tokens, probs):
+            tokens, probs = layer.dispatch(tokens, probs)
+            state["probs"] = node.detach(probs)
+            return tokens
+
+        def mlp(node, tokens):
+            out, _ = layer.routed_experts_compute(tokens, state["probs"])
+            return out
+
+        def combine(node, out):
+            return layer.postprocess(layer.combine(out), None)
+
+        nodes = [_Node(pre, False), _Node(dispatch, True), _Node(mlp, True), _Node(combine, True)]
+        xb = x.clone().requires_grad_()
+        h = nodes[0].forward(xb)
+        h = nodes[1].forward(*h)
+        h = nodes[2].forward(h)
+        y = nodes[3].forward(h)
+        assert torch.equal(y, y_ref)
+        grads = (G,)
+        for node in reversed(nodes):
+            grads = node.backward(*grads)
+            grads = grads if isinstance(grads, tuple) else (grads,)
+        gx = nodes[0].inputs[0].grad
+        assert torch.allclose(gx, xa.grad, rtol=1e-5, atol=1e-6), rel(gx, xa.grad)
+        for n, p in layer.named_parameters():
+            assert torch.allclose(p.grad, ref_grads[n], rtol=1e-5, atol=1e-6), (n, rel(p.grad, ref_grads[n]))
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["raw", "fp8"])
+def test_stages_under_a_detaching_freeing_schedule(fp8):
+    run_ranks(2, schedule_scenario, fp8)
+
+
+# ---- registration, validation, options, command line ---------------------------------------------
+
+def test_config_validates_as_alltoall():
+    cfg = make_config(fm.FP8_ALLTOALL)
+    assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL
+    # accepted for alltoall, rejected for allgather: fp8_alltoall follows alltoall
+    kw = dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
+    assert make_config(fm.FP8_ALLTOALL, **kw).moe_shared_expert_overlap
+    with pytest.raises(ValueError, match="alltoall"):
+        make_config("allgather", **kw)
+    assert make_config(fm.FP8_ALLTOALL, variable_seq_lengths=True).variable_seq_lengths
+    with pytest.raises(ValueError, match="variable sequence length"):
+        make_config("allgather", variable_seq_lengths=True)
+    # rejected for alltoall: rejected for fp8_alltoall, with Megatron's message
+    with pytest.raises(ValueError, match="moe_expert_capacity_factor must be set"):
+        make_config(fm.FP8_ALLTOALL, moe_pad_expert_input_to_capacity=True)
+    # a Megatron check keyed on the type ('alltoall' or 'flex') passes for fp8_alltoall
+    kw = dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2)
+    try:
+        make_config(fm.FP8_ALLTOALL, **kw)
+    except (AssertionError, ValueError) as e:
+        assert "token dispatcher" not in str(e), e
+
+
+def _build_layer_in_child(rank, world, registered_, over):
+    init_parallel(world)
+    try:
+        if not registered_:
+            fm.unregister()
+        cfg = make_config(fm.FP8_ALLTOALL, **over)
+        try:
+            layer = build(moe_spec(8), cfg)
+        except (ValueError, NotImplementedError) as e:
+            return f"{type(e).__name__}: {e}"
+        return type(layer.token_dispatcher).__name__
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_register_is_what_makes_moe_layer_build_it():
+    assert run_ranks(1, _build_layer_in_child, True, {}) == ["FP8AlltoAllTokenDispatcher"]
+    assert "Unsupported token dispatcher type" in run_ranks(1, _build_layer_in_child, False, {})[0]
+    # other types are untouched by the hooks
+    assert fm.is_registered()
+    fm.register()  # idempotent
+    original = MoELayer.__init__.__fp8a2a_original__
+    assert getattr(original, "__fp8a2a_original__", None) is None
+
+
+def test_static_capacity_mode_needs_a_capacity_factor():
+    msg = run_ranks(1, _build_layer_in_child, True, {"fp8a2a_capacity_mode": "static"})[0]
+    assert msg.startswith("ValueError") and "capacity-factor" in msg
+
+
+def test_options_precedence():
+    try:
+        fm.register(granularity="block128", bf16_below_bytes=0)
+        assert fm.resolve(None).granularity == "block128"
+        cfg = argparse.Namespace(fp8a2a_granularity="tensor", fp8a2a_fp8_combine=None)
+        opts = fm.resolve(cfg)
+        assert (opts.granularity, opts.bf16_below_bytes, opts.fp8_combine) == ("tensor", 0, False)
+        with pytest.raises(ValueError, match="granularity"):
+            fm.resolve(argparse.Namespace(fp8a2a_granularity="col"))
+        with pytest.raises(TypeError, match="unknown"):
+            fm.register(granularty="row")
+    finally:
+        fm.options.reset_defaults()
+    assert fm.resolve(None) == fm.Options()
+
+
+def test_command_line_flags():
+    # a parser that already has the option (as megatron.training's has): choices are extended
+    p = argparse.ArgumentParser()
+    p.add_argument("--moe-token-dispatcher-type", default="allgather", choices=("allgather", "alltoall", "flex"))
+    assert fm.extra_args_provider(p) is p
+    fm.add_arguments(p)  # idempotent
+    a = p.parse_args(["--moe-token-dispatcher-type", "fp8_alltoall", "--fp8a2a-granularity", "block128",
+                      "--fp8a2a-fp8-combine", "--fp8a2a-bf16-below-bytes", "0"])
+    assert a.moe_token_dispatcher_type == "fp8_alltoall"
+    opts = fm.resolve(a)
+    assert (opts.granularity, opts.fp8_combine, opts.bf16_below_bytes, opts.capacity_mode) == \
+        ("block128", True, 0, "auto")
+    defaults = p.parse_args([])
+    assert fm.resolve(defaults) == fm.Options()
+    with pytest.raises(SystemExit):
+        p.parse_args(["--moe-token-dispatcher-type", "fp9"])
+    # a parser without it gets it
+    q = fm.add_arguments(argparse.ArgumentParser())
+    assert q.parse_args(["--moe-token-dispatcher-type", "fp8_alltoall"]).moe_token_dispatcher_type == "fp8_alltoall"
+
+
+def test_megatron_training_parser_when_present():
+    try:
+        from megatron.training import arguments
+    except Exception:  # noqa: BLE001
+        pytest.skip("megatron.training is not installed (megatron-core < 0.19 wheels do not ship it)")
+    old = sys.argv
+    sys.argv = ["prog", "--moe-token-dispatcher-type", "fp8_alltoall", "--fp8a2a-granularity", "tensor"]
+    try:
+        args = arguments.parse_args()
+    finally:
+        sys.argv = old
+    assert args.moe_token_dispatcher_type == "fp8_alltoall" and args.fp8a2a_granularity == "tensor"
+
+
+FAKE_TRAINING_ARGUMENTS = """
+import argparse
+
+def add_megatron_arguments(parser):
+    parser.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                        choices=("allgather", "alltoall", "flex"))
+    return parser
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
+    parser = argparse.ArgumentParser()
+    parser = add_megatron_arguments(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser.parse_args(argv)
+"""
+
+
+def test_training_parser_is_patched_on_import(tmp_path):
+    """megatron.training.arguments as 0.19 shapes it (a fake one here, megatron being a namespace
+    package): patched when imported after register(), and at once when imported before."""
+    try:
+        import megatron.training  # noqa: F401
+        pytest.skip("a real megatron.training is installed (see the next test)")
+    except ImportError:
+        pass
+    pkg = tmp_path / "megatron" / "training"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "arguments.py").write_text(FAKE_TRAINING_ARGUMENTS)
+    argv = ["--moe-token-dispatcher-type", "fp8_alltoall", "--fp8a2a-granularity", "block128"]
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from megatron.training import arguments  # imported after register(): the hook patches it
+        a = arguments.parse_args(argv=argv)
+        assert (a.moe_token_dispatcher_type, a.fp8a2a_granularity) == ("fp8_alltoall", "block128")
+        fm.unregister()
+        with pytest.raises(SystemExit):
+            arguments.parse_args(argv=argv)
+        fm.register()  # imported before register(): patched at once
+        assert arguments.parse_args(argv=argv).moe_token_dispatcher_type == "fp8_alltoall"
+    finally:
+        fm.unregister()
+        sys.path.remove(str(tmp_path))
+        for name in ("megatron.training.arguments", "megatron.training"):
+            sys.modules.pop(name, None)
+        fm.register()
+
+
+def test_routing_map_to_topk():
+    g = torch.Generator().manual_seed(0)
+    T, E, K = 32, 16, 4
+    scores = torch.rand(T, E, generator=g)
+    top = scores.topk(K, dim=1).indices
+    routing = torch.zeros(T, E, dtype=torch.bool).scatter(1, top, True)
+    routing[3] = False  # a dropped token
+    routing[4, top[4, :2]] = False  # partly dropped
+    probs = (scores * routing).requires_grad_()
+    idx, w = routing_map_to_topk(routing, probs, K)
+    for t in range(T):
+        want = sorted(torch.nonzero(routing[t]).flatten().tolist())
+        assert idx[t][idx[t] >= 0].tolist() == want
+        assert torch.equal(w[t][idx[t] >= 0], probs[t, want])
+        assert torch.all(w[t][idx[t] < 0] == 0)
+    w.sum().backward()
+    assert torch.equal(probs.grad, routing.float())
+
+
+def test_fp8_experts_spec_swaps_only_the_experts():
+    spec = get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=False)
+    if not HAVE_FP8_EXPERTS:
+        pytest.skip("fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+    from fp8a2a.megatron.experts import fp8_expert_classes
+    fp8_seq = fp8_expert_classes()[SequentialMLP]
+    out = fm.fp8_experts_spec(spec)
+    assert isinstance(out, ModuleSpec) and out.module is spec.module
+    assert out.submodules.experts.module is fp8_seq and issubclass(fp8_seq, SequentialMLP)
+    assert out.submodules.experts.submodules is spec.submodules.experts.submodules
+    assert out.submodules.shared_experts is spec.submodules.shared_experts
+    assert spec.submodules.experts.module is SequentialMLP  # the input is not modified
+    assert fm.fp8_experts_spec(out).submodules.experts.module is fp8_seq  # idempotent
+    # builder-style specs (megatron-core 0.19: functools.partial all the way down)
+    sub = spec.submodules.experts.submodules
+    builder = functools.partial(MoELayer, submodules=MoESubmodules(
+        experts=functools.partial(SequentialMLP, submodules=sub)))
+    swapped = fm.fp8_experts_spec(builder)
+    assert swapped.keywords["submodules"].experts.func is fp8_seq
+    with pytest.raises(ValueError, match="no MoE experts"):
+        fm.fp8_experts_spec(ModuleSpec(module=torch.nn.Linear))
+
+
+def _fp8_experts_errors(rank, world):
+    init_parallel(world)
+    try:
+        with pytest.raises(ValueError, match="SwiGLU"):
+            build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, gated_linear_unit=False, activation_func=F.silu))
+        with pytest.raises(ValueError, match="bias"):
+            build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, add_bias_linear=True))
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+def test_fp8_experts_unsupported_configs():
+    run_ranks(1, _fp8_experts_errors)
+
+
+def test_train_script_smoke():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    cmd = [sys.executable, os.path.join(root, "scripts", "train_moe_megatron.py"), "--device", "cpu", "--steps", "4",
+           "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "64", "--seq-length", "32",
+           "--micro-batch-size", "4", "--vocab-size", "128", "--fp8a2a-bf16-below-bytes", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "FP8AlltoAllTokenDispatcher" in r.stdout and "done: loss" in r.stdout, r.stdout
