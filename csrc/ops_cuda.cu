@@ -1,23 +1,32 @@
 // CUDA implementations of the fp8a2a ops, registered for the CUDA dispatch key.
 //
-// Every op gives the bytes of ops_cpu.cpp (same e4m3_from_f32, same scale rule with IEEE division,
-// same accumulation order with no fused multiply-add, same float -> bf16/fp16 rounding as c10's host
-// code). The one thing that can differ is the sign or payload of a NaN where arithmetic creates one
-// (x86 makes inf*0 a negative NaN, the GPU a positive one): compare NaNs as NaNs.
+// Every op gives the bytes of ops_cpu.cpp: the same e4m3 rounding (the sm_89+ hardware conversions,
+// checked equal to fp8_common.h's e4m3_from_f32 / f32_from_e4m3 on all 2^32 floats; older GPUs use
+// fp8_common.h's code), the same scale rule with IEEE division, the same accumulation order with no
+// fused multiply-add (__fmul_rn/__fadd_rn), the same float -> bf16/fp16 rounding as c10's host code.
+// The one thing that can differ is the sign or payload of a NaN made by arithmetic (x86 makes inf*0
+// a negative NaN, the GPU a positive one): compare NaNs as NaNs (scripts/check_cuda_ops.py does).
 //
 // No op syncs with the host, allocates by data, or reads a device value on the host: the tensor
 // scale is read inside the kernels, and every launch goes to the current stream, so all ops record
-// into CUDA graphs. Kernels (per call):
+// into CUDA graphs. Kernels per call:
 //   quantize          1 (tensor granularity with no scale: 2, an amax pass and the quantize pass)
 //   dequantize        1
 //   dispatch_pack     2: layout (counts, scans, positions; the last block to finish does the
-//                     cross-chunk scan) and pack; plus a 4-byte memset when the layout needs more
-//                     than one block (T*K above one chunk)
+//                     cross-chunk scan) and pack (each token read once, quantized once, written to
+//                     each destination rank); plus a 4-byte memset when the layout has more than
+//                     one block (T*K above 512..4096 slots)
 //   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
 //   combine_pack      1
 //   combine_unpack    1
 // Corrupt input cannot raise on the GPU without a sync: out-of-range positions are skipped instead
-// (their slot_pos entries are -1), out-of-range expert ids are counted in the bad-ids column.
+// (their slot_pos entries are -1), out-of-range expert ids are counted in the bad-ids column, rows
+// over a rank's capacity are not written (send_pos -1).
+//
+// Measured on one H200 (T=16384, H=7168, K=8, R=8, E=256, bf16; scripts/check_cuda_ops.py bench):
+// quantize 4.1 TB/s (= device copy), combine_pack 4.3, combine_unpack 4.0, dispatch_pack ~290 us
+// (layout ~17-25 us + pack ~270 us; 3.0 TB/s, 0.72-0.75 of a copy of the same bytes),
+// dispatch_unpack 3.4 TB/s, dequantize 3.0 TB/s. The write-heavy kernels all sit near 3.0 TB/s.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,6 +38,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include "ops.h"
 
@@ -104,6 +114,22 @@ struct Elem<c10::Half> {
   }
 };
 
+// float64 only as an output dtype (dequantize, combine_unpack), as the CPU ops allow.
+template <>
+struct Elem<double> {
+  static constexpr int kWords = 32;
+  static __device__ __forceinline__ float get(const uint32_t* w, int j) {
+    return __double2float_rn(__hiloint2double(static_cast<int>(w[2 * j + 1]), static_cast<int>(w[2 * j])));
+  }
+  static __device__ __forceinline__ void put(uint32_t* w, int j, float f) {
+    const double d = static_cast<double>(f);
+    w[2 * j] = static_cast<uint32_t>(__double2loint(d));
+    w[2 * j + 1] = static_cast<uint32_t>(__double2hiint(d));
+  }
+  static __device__ __forceinline__ float load1(const double* p) { return __double2float_rn(*p); }
+  static __device__ __forceinline__ void store1(double* p, float f) { *p = static_cast<double>(f); }
+};
+
 // A "unit" is 16 consecutive elements of a row: 16 e4m3 bytes = one 16-byte access on the fp8 side,
 // 1, 2 or 4 16-byte accesses on the activation side.
 template <typename T>
@@ -128,15 +154,104 @@ __device__ __forceinline__ void store_unit(T* row, int64_t u, const uint32_t (&w
 
 __device__ __forceinline__ uint4 load_fp8_unit(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-__device__ __forceinline__ float fp8_word_elem(const uint4& q, int j) {
-  const uint32_t w = j < 4 ? q.x : j < 8 ? q.y : j < 12 ? q.z : q.w;
-  return f32_from_e4m3(static_cast<uint8_t>(w >> (8 * (j & 3))));
+// ---- e4m3 conversions ----
+// On sm_89+ the hardware converts pairs: cvt.rn.satfinite.e4m3x2.f32 (round to nearest even,
+// saturating to +-448, inf -> +-448) gives e4m3_from_f32's byte for every non-NaN float, and
+// cvt.rn.f16x2.e4m3x2 gives f32_from_e4m3's value exactly (e4m3 is a subset of f16); only the
+// sign/payload of NaN can differ. scripts/check_cuda_ops.py checks both against fp8_common.h on
+// all 2^32 floats. Define FP8A2A_SOFT_E4M3 to use fp8_common.h's code instead.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(FP8A2A_SOFT_E4M3)
+#define FP8A2A_HW_E4M3 1
+#else
+#define FP8A2A_HW_E4M3 0
+#endif
+
+// e4m3 bytes of (a, b, c, d), a in the lowest byte
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+#if FP8A2A_HW_E4M3
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+#else
+  return static_cast<uint32_t>(e4m3_from_f32(a)) | (static_cast<uint32_t>(e4m3_from_f32(b)) << 8) |
+         (static_cast<uint32_t>(e4m3_from_f32(c)) << 16) | (static_cast<uint32_t>(e4m3_from_f32(d)) << 24);
+#endif
 }
+
+__device__ __forceinline__ uint8_t e4m3_1(float f) {
+#if FP8A2A_HW_E4M3
+  return static_cast<uint8_t>(e4m3x4(f, 0.0f, 0.0f, 0.0f) & 0xffu);
+#else
+  return e4m3_from_f32(f);
+#endif
+}
+
+// the 4 values of 4 e4m3 bytes
+__device__ __forceinline__ void e4m3x4_to_f32(uint32_t w, float& a, float& b, float& c, float& d) {
+#if FP8A2A_HW_E4M3
+  uint32_t h01, h23;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h01) : "h"(static_cast<unsigned short>(w & 0xffffu)));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h23) : "h"(static_cast<unsigned short>(w >> 16)));
+  a = __half2float(__ushort_as_half(static_cast<unsigned short>(h01 & 0xffffu)));
+  b = __half2float(__ushort_as_half(static_cast<unsigned short>(h01 >> 16)));
+  c = __half2float(__ushort_as_half(static_cast<unsigned short>(h23 & 0xffffu)));
+  d = __half2float(__ushort_as_half(static_cast<unsigned short>(h23 >> 16)));
+#else
+  a = f32_from_e4m3(static_cast<uint8_t>(w));
+  b = f32_from_e4m3(static_cast<uint8_t>(w >> 8));
+  c = f32_from_e4m3(static_cast<uint8_t>(w >> 16));
+  d = f32_from_e4m3(static_cast<uint8_t>(w >> 24));
+#endif
+}
+
+__device__ __forceinline__ float e4m3_to_f32_1(uint8_t v) {
+  float a, b, c, d;
+  e4m3x4_to_f32(v, a, b, c, d);
+  return a;
+}
+
+// 16 values of a 16-byte e4m3 unit
+__device__ __forceinline__ void fp8_unit_to_f32(const uint4& q, float (&f)[16]) {
+  e4m3x4_to_f32(q.x, f[0], f[1], f[2], f[3]);
+  e4m3x4_to_f32(q.y, f[4], f[5], f[6], f[7]);
+  e4m3x4_to_f32(q.z, f[8], f[9], f[10], f[11]);
+  e4m3x4_to_f32(q.w, f[12], f[13], f[14], f[15]);
+}
+
+// ---- amax as the bits of a non-negative float ----
+// For |x| the IEEE order is the unsigned order of the bits, and every NaN is above inf, so a max
+// of (bits & 0x7fffffff) propagates NaN exactly as amax_step does; amax_value() maps any NaN to
+// amax_step's NAN. Reduces with one integer max per element (two elements per op for 16-bit).
+__device__ __forceinline__ float amax_value(uint32_t bits) { return bits > 0x7f800000u ? NAN : __uint_as_float(bits); }
+__device__ __forceinline__ uint32_t abs_bits(float f) { return __float_as_uint(f) & 0x7fffffffu; }
 
 // The dequant scale of an amax. Same value as dequant_scale(); for a NaN amax it returns that NaN
 // itself (amax_step's NAN), which is the bit pattern the host division produces, where the GPU
 // division would return its canonical NaN.
 __device__ __forceinline__ float scale_of(float amax) { return amax != amax ? amax : dequant_scale(amax); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t unit_amax_bits(const uint32_t (&w)[Elem<T>::kWords]) {
+  if constexpr (sizeof(T) == 4) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) m = max(m, w[j] & 0x7fffffffu);
+    return m;
+  } else {
+    uint32_t m2 = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m2 = __vmaxu2(m2, w[j] & 0x7fff7fffu);
+    const uint32_t h = max(m2 >> 16, m2 & 0xffffu);  // the larger |x| of the two halves
+    if constexpr (std::is_same<T, c10::BFloat16>::value) {
+      return h << 16;
+    } else {
+      return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t m) { return __reduce_max_sync(kFull, m); }
 
 __device__ __forceinline__ float warp_amax(float m) {
 #pragma unroll
@@ -144,36 +259,28 @@ __device__ __forceinline__ float warp_amax(float m) {
   return m;
 }
 
-// amax over 8 consecutive lanes (the 8 units of one 128-block)
-__device__ __forceinline__ float group8_amax(float m) {
+// max over 8 consecutive lanes (the 8 units of one 128-block)
+__device__ __forceinline__ uint32_t group8_max_u32(uint32_t m) {
 #pragma unroll
-  for (int o = 4; o > 0; o >>= 1) m = amax_step(m, __shfl_xor_sync(kFull, m, o));
-  return m;
-}
-
-__device__ __forceinline__ uint32_t pack4(float a, float b, float c, float d, float q) {
-  return static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(a, q))) |
-         (static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(b, q))) << 8) |
-         (static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(c, q))) << 16) |
-         (static_cast<uint32_t>(e4m3_from_f32(__fmul_rn(d, q))) << 24);
-}
-
-template <typename T>
-__device__ __forceinline__ float unit_amax(const uint32_t (&w)[Elem<T>::kWords]) {
-  float m = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) m = amax_step(m, Elem<T>::get(w, j));
+  for (int o = 4; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(kFull, m, o));
   return m;
 }
 
 template <typename T>
 __device__ __forceinline__ uint4 quantize_unit(const uint32_t (&w)[Elem<T>::kWords], float q) {
-  uint4 r;
-  r.x = pack4(Elem<T>::get(w, 0), Elem<T>::get(w, 1), Elem<T>::get(w, 2), Elem<T>::get(w, 3), q);
-  r.y = pack4(Elem<T>::get(w, 4), Elem<T>::get(w, 5), Elem<T>::get(w, 6), Elem<T>::get(w, 7), q);
-  r.z = pack4(Elem<T>::get(w, 8), Elem<T>::get(w, 9), Elem<T>::get(w, 10), Elem<T>::get(w, 11), q);
-  r.w = pack4(Elem<T>::get(w, 12), Elem<T>::get(w, 13), Elem<T>::get(w, 14), Elem<T>::get(w, 15), q);
-  return r;
+  float f[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) f[j] = __fmul_rn(Elem<T>::get(w, j), q);
+  return make_uint4(e4m3x4(f[0], f[1], f[2], f[3]), e4m3x4(f[4], f[5], f[6], f[7]), e4m3x4(f[8], f[9], f[10], f[11]),
+                    e4m3x4(f[12], f[13], f[14], f[15]));
+}
+
+__device__ __forceinline__ uint4 quantize_f32x16(const float (&a)[16], float q) {
+  float f[16];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) f[j] = __fmul_rn(a[j], q);
+  return make_uint4(e4m3x4(f[0], f[1], f[2], f[3]), e4m3x4(f[4], f[5], f[6], f[7]), e4m3x4(f[8], f[9], f[10], f[11]),
+                    e4m3x4(f[12], f[13], f[14], f[15]));
 }
 
 template <typename IdxT>
@@ -215,17 +322,29 @@ void ensure_smem(Kernel kernel, size_t bytes, int device, const char* what) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+__host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 int round_up32(int64_t n) { return static_cast<int>(std::max<int64_t>(32, (n + 31) / 32 * 32)); }
 
-// Units per thread for the vectorized row kernels: 1 (<= 512 units, H <= 8192), else 2 (H <= 32768).
-// Returns 0 when the row is too wide for the vectorized kernels (scalar path).
-int units_per_thread(int64_t units) {
-  if (units <= 512) return 1;
+// Units (16 elements) per thread for the vectorized row kernels: 1 (H <= 8192), 2 (H <= 32768).
+// Returns 0 when the row is too wide for them (scalar path). prefer2: two units per thread from
+// H >= 4096 on (dispatch_pack: 276 vs 290 us at T=16384, H=7168 on an H200; quantize: no change).
+int units_per_thread(int64_t units, bool prefer2 = false) {
+  if (units <= (prefer2 ? 255 : 512)) return 1;
   if (units <= 2048) return 2;
   return 0;
 }
+
+int threads_for(int64_t units, int upt) { return round_up32((units + upt - 1) / upt); }
+
+#define FP8A2A_DISPATCH_FLOAT_AND_DOUBLE(TYPE, NAME, ...)                             \
+  [&] {                                                                               \
+    if ((TYPE) == at::kDouble) {                                                      \
+      using scalar_t = double;                                                        \
+      return __VA_ARGS__();                                                           \
+    }                                                                                 \
+    return FP8A2A_DISPATCH_FLOAT(TYPE, NAME, __VA_ARGS__);                            \
+  }()
 
 #define FP8A2A_DISPATCH_FLOAT(TYPE, NAME, ...)                                        \
   [&] {                                                                               \
@@ -284,11 +403,13 @@ __global__ void tensor_amax_kernel(const T* x, int64_t numel, float* partials) {
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (aligned16(x)) {
     const int64_t units = numel / 16;
+    uint32_t mb = 0;
     for (int64_t u = tid; u < units; u += stride) {
       uint32_t w[Elem<T>::kWords];
       load_unit<T>(x, u, w);
-      m = amax_step(m, unit_amax<T>(w));
+      mb = max(mb, unit_amax_bits<T>(w));
     }
+    m = amax_value(mb);
     for (int64_t i = units * 16 + tid; i < numel; i += stride) m = amax_step(m, Elem<T>::load1(x + i));
   } else {
     for (int64_t i = tid; i < numel; i += stride) m = amax_step(m, Elem<T>::load1(x + i));
@@ -315,8 +436,9 @@ __device__ __forceinline__ void tensor_qs(const QuantParams& p, float* s_red, fl
 
 // One block per row, UPT units per thread, 16-byte accesses.
 template <typename T, int UPT>
-__global__ void __launch_bounds__(1024) quantize_vec_kernel(QuantParams p) {
+__global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) quantize_vec_kernel(QuantParams p) {
   __shared__ float s_red[32];
+  __shared__ uint32_t s_redu[32];
   const int64_t t = blockIdx.x;
   const int64_t U = p.H / 16;
   const T* xrow = reinterpret_cast<const T*>(p.x) + t * p.H;
@@ -336,22 +458,23 @@ __global__ void __launch_bounds__(1024) quantize_vec_kernel(QuantParams p) {
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      const float m = group8_amax(u < U ? unit_amax<T>(w[j]) : 0.0f);
+      const float m = amax_value(group8_max_u32(u < U ? unit_amax_bits<T>(w[j]) : 0u));
       q[j] = quant_multiplier(m);
       if (u < U && (u & 7) == 0) p.scales[t * (p.H / kBlock) + (u >> 3)] = scale_of(m);
     }
   } else {
-    float m = 0.0f;
+    uint32_t mb = 0;
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (u < U) m = amax_step(m, unit_amax<T>(w[j]));
+      if (u < U) mb = max(mb, unit_amax_bits<T>(w[j]));
     }
-    m = warp_amax(m);
-    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+    mb = warp_max_u32(mb);
+    if ((threadIdx.x & 31) == 0) s_redu[threadIdx.x >> 5] = mb;
     __syncthreads();
-    m = 0.0f;
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) m = amax_step(m, s_red[i]);
+    mb = 0;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) mb = max(mb, s_redu[i]);
+    const float m = amax_value(mb);
 #pragma unroll
     for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(m);
     if (threadIdx.x == 0) p.scales[t] = scale_of(m);
@@ -376,7 +499,7 @@ __global__ void quantize_scalar_kernel(QuantParams p) {
   if (p.gran == kTensor) {
     float q, s;
     tensor_qs(p, s_red, q, s);
-    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), q));
+    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), q));
     return;
   }
   if (p.gran == kBlock128) {
@@ -392,7 +515,7 @@ __global__ void quantize_scalar_kernel(QuantParams p) {
     }
     __syncthreads();
     for (int64_t h = threadIdx.x; h < H; h += blockDim.x)
-      out[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), quant_multiplier(s_amax[h / kBlock])));
+      out[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), quant_multiplier(s_amax[h / kBlock])));
     return;
   }
   float m = 0.0f;
@@ -405,22 +528,41 @@ __global__ void quantize_scalar_kernel(QuantParams p) {
   const float q = quant_multiplier(m);
   // ops_cpu.cpp writes no row scale when H == 0 (its loop over blocks is empty); write 1 then.
   if (threadIdx.x == 0) p.scales[t] = H == 0 ? 1.0f : scale_of(m);
-  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), q));
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), q));
 }
 
 // =============================================================================================
 // dequantize
 // =============================================================================================
+// Grid-stride over 16-byte units, 4 independent units in flight per thread.
 template <typename T>
-__global__ void dequantize_vec_kernel(const uint8_t* in, const float* scale, T* out, int64_t units, int64_t span) {
+__global__ void __launch_bounds__(256) dequantize_vec_kernel(const uint8_t* in, const float* scale, T* out, int64_t units,
+                                                             int64_t span) {
+  constexpr int B = 4;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units; u += stride) {
-    const uint4 q = load_fp8_unit(in + u * 16);
-    const float s = __ldg(scale + (span ? (u * 16) / span : 0));
-    uint32_t w[Elem<T>::kWords];
+  for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u0 < units; u0 += B * stride) {
+    uint4 q[B];
+    float s[B];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) Elem<T>::put(w, j, __fmul_rn(fp8_word_elem(q, j), s));
-    store_unit<T>(out, u, w);
+    for (int b = 0; b < B; ++b) {
+      const int64_t u = u0 + b * stride;
+      if (u < units) {
+        q[b] = load_fp8_unit(in + u * 16);
+        s[b] = __ldg(scale + (span ? (u * 16) / span : 0));
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int64_t u = u0 + b * stride;
+      if (u < units) {
+        float f[16];
+        fp8_unit_to_f32(q[b], f);
+        uint32_t w[Elem<T>::kWords];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) Elem<T>::put(w, j, __fmul_rn(f[j], s[b]));
+        store_unit<T>(out, u, w);
+      }
+    }
   }
 }
 
@@ -428,7 +570,7 @@ template <typename T>
 __global__ void dequantize_scalar_kernel(const uint8_t* in, const float* scale, T* out, int64_t n, int64_t span) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    Elem<T>::store1(out + i, __fmul_rn(f32_from_e4m3(in[i]), __ldg(scale + (span ? i / span : 0))));
+    Elem<T>::store1(out + i, __fmul_rn(e4m3_to_f32_1(in[i]), __ldg(scale + (span ? i / span : 0))));
 }
 
 // =============================================================================================
@@ -704,7 +846,7 @@ __device__ __forceinline__ uint32_t dispatch_tail_word(const PackParams& p, int6
 
 // H % 16 == 0, 16-byte aligned x: UPT units of 16 elements per thread.
 template <typename T, typename IdxT, int UPT>
-__global__ void __launch_bounds__(1024) dispatch_pack_vec_kernel(PackParams p) {
+__global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kernel(PackParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const RouteSmem s = carve_route_smem(smem, p.K);
   const int64_t t = blockIdx.x;
@@ -730,23 +872,25 @@ __global__ void __launch_bounds__(1024) dispatch_pack_vec_kernel(PackParams p) {
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      const float m = group8_amax(u < U ? unit_amax<T>(w[j]) : 0.0f);
+      const float m = amax_value(group8_max_u32(u < U ? unit_amax_bits<T>(w[j]) : 0u));
       q[j] = quant_multiplier(m);
       if (u < U && (u & 7) == 0) s.amax[u >> 3] = m;
     }
   } else {
+    uint32_t mb = 0;
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (u < U) rm = amax_step(rm, unit_amax<T>(w[j]));
+      if (u < U) mb = max(mb, unit_amax_bits<T>(w[j]));
     }
-    rm = warp_amax(rm);
-    if ((threadIdx.x & 31) == 0) s.red[threadIdx.x >> 5] = rm;
+    mb = warp_max_u32(mb);
+    if ((threadIdx.x & 31) == 0) reinterpret_cast<uint32_t*>(s.red)[threadIdx.x >> 5] = mb;
   }
   __syncthreads();
   if (p.gran == kRow) {
-    rm = 0.0f;
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) rm = amax_step(rm, s.red[i]);
+    uint32_t mb = 0;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) mb = max(mb, reinterpret_cast<const uint32_t*>(s.red)[i]);
+    rm = amax_value(mb);
 #pragma unroll
     for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(rm);
     row_scale = p.H == 0 ? 0.0f : scale_of(rm);  // ops_cpu.cpp leaves the zero fill when H == 0
@@ -824,7 +968,7 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
     uint8_t* dst = p.send + static_cast<int64_t>(row) * p.row_bytes;
     for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
       const float qh = p.gran == kBlock128 ? quant_multiplier(s.amax[h / kBlock]) : q;
-      dst[h] = e4m3_from_f32(__fmul_rn(Elem<T>::load1(xrow + h), qh));
+      dst[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), qh));
     }
     for (int64_t h = H + threadIdx.x; h < p.scale_off; h += blockDim.x) dst[h] = 0;
     for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
@@ -883,6 +1027,7 @@ struct UnpackParams {
   int* slot_pos;
   int* row_src;
   int64_t Nr, N, H, row_bytes;
+  int64_t rcap, ecap;  // capacity mode: rank_capacity, expert_capacity (0: compact)
   int K, R, El, C, ns;
   int scale_off, weight_off, expert_off, pos_off;
   bool vec;
@@ -919,8 +1064,11 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
   int64_t* s_rst = s_est + p.El;                           // [R + 1] first received row of each rank
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
   int* s_tgt = reinterpret_cast<int*>(s_rst + p.R + 1) + warp * p.K;
+  const bool capacity = p.ecap > 0;
 
-  for (int i = threadIdx.x; i < p.R * p.C; i += blockDim.x) s_counts[i] = __ldg(reinterpret_cast<const long long*>(p.counts) + i);
+  // ---- tables (a few hundred int64: every block builds its own copy) ----
+  for (int i = threadIdx.x; i < p.R * p.C; i += blockDim.x)
+    s_counts[i] = __ldg(reinterpret_cast<const long long*>(p.counts) + i);
   __syncthreads();
   for (int e = threadIdx.x; e < p.El; e += blockDim.x) {
     int64_t sum = 0;
@@ -928,13 +1076,10 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
     s_est[e] = sum;
     if (blockIdx.x == 0) p.tpe[e] = sum;
   }
-  if (warp == 1 || (W == 1 && warp == 0)) {
-    for (int r = lane; r < p.R; r += 32) s_rst[r] = s_counts[r * p.C + kColRows];
-  }
+  for (int r = threadIdx.x; r < p.R; r += blockDim.x) s_rst[r] = s_counts[r * p.C + kColRows];
   __syncthreads();
   if (warp == 0) warp_exclusive_scan(s_est, p.El);
-  if (warp == (W > 1 ? 1 : 0)) {
-    __syncwarp();
+  if (warp == W - 1) {
     const int64_t total = warp_exclusive_scan(s_rst, p.R);
     if (lane == 0) s_rst[p.R] = total;
   }
@@ -942,16 +1087,22 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
   for (int e = threadIdx.x; e < p.El; e += blockDim.x) {
     int64_t run = s_est[e];
     for (int r = 0; r < p.R; ++r) {
-      s_base[r * p.El + e] = run;
+      // Capacity mode: expert e owns rows [e * R * C, (e + 1) * R * C), source r a slice of C.
+      s_base[r * p.El + e] = capacity ? (static_cast<int64_t>(e) * p.R + r) * p.ecap : run;
       run += s_counts[r * p.C + kColExperts + e];
     }
   }
   __syncthreads();
 
   const int64_t U = p.H / 16;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * W + warp; i < p.Nr; i += static_cast<int64_t>(gridDim.x) * W) {
+  const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * W + warp, nwarps = static_cast<int64_t>(gridDim.x) * W;
+  for (int64_t i = gwarp; i < p.Nr; i += nwarps) {
+    // source rank of row i, or -1 when no source announced it
     int r = -1;
-    if (i >= 0 && i < s_rst[p.R]) {
+    if (capacity) {
+      const int64_t rr = i / p.rcap;
+      if (rr < p.R && i - rr * p.rcap < s_counts[rr * p.C + kColRows]) r = static_cast<int>(rr);
+    } else if (i < s_rst[p.R]) {
       int lo = 0, hi = p.R - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
@@ -961,6 +1112,14 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
       r = lo;
     }
     const uint8_t* row = p.recv + i * p.row_bytes;
+    const uint4* src = reinterpret_cast<const uint4*>(row);
+    constexpr int PB = 8;  // 16-byte loads in flight per lane
+    uint4 buf[PB];
+    if (p.vec) {  // the payload's first batch does not depend on the routing fields: load it now
+#pragma unroll
+      for (int a = 0; a < PB; ++a)
+        if (lane + a * 32 < U) buf[a] = __ldg(src + lane + a * 32);
+    }
     int ntgt = 0;
     for (int k0 = 0; k0 < p.K; k0 += 32) {
       const int k = k0 + lane;
@@ -969,7 +1128,7 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
       if (k < p.K && r >= 0) {
         const int ex = __ldg(reinterpret_cast<const int*>(row + p.expert_off) + k);
         const int ps = __ldg(reinterpret_cast<const int*>(row + p.pos_off) + k);
-        if (ex >= 0 && ex < p.El && ps >= 0 && ps < s_counts[r * p.C + kColExperts + ex]) {
+        if (ex >= 0 && ex < p.El && ps >= 0 && ps < s_counts[r * p.C + kColExperts + ex] && (!capacity || ps < p.ecap)) {
           const int64_t nn = s_base[r * p.El + ex] + ps;
           if (nn >= 0 && nn < p.N) n = static_cast<int>(nn);
         }
@@ -985,24 +1144,23 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
       ntgt += __popc(m);
     }
     __syncwarp();
-    // scales of each target
     for (int j = 0; j < ntgt; ++j) {
       const int64_t n = s_tgt[j];
       for (int c = lane; c < p.ns; c += 32)
         p.scale[n * p.ns + c] = __ldg(reinterpret_cast<const float*>(row + p.scale_off) + c);
     }
-    // payload: read once, write to each target
+    // payload: read once, written to each target
     if (p.vec) {
-      const uint4* src = reinterpret_cast<const uint4*>(row);
-      for (int64_t v0 = lane; v0 < U; v0 += 4 * 32) {
-        uint4 buf[4];
+      for (int64_t v0 = lane; v0 < U; v0 += PB * 32) {
+        if (v0 != lane) {
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
-          if (v0 + a * 32 < U) buf[a] = __ldg(src + v0 + a * 32);
+          for (int a = 0; a < PB; ++a)
+            if (v0 + a * 32 < U) buf[a] = __ldg(src + v0 + a * 32);
+        }
         for (int j = 0; j < ntgt; ++j) {
           uint4* dst = reinterpret_cast<uint4*>(p.data + static_cast<int64_t>(s_tgt[j]) * p.H);
 #pragma unroll
-          for (int a = 0; a < 4; ++a)
+          for (int a = 0; a < PB; ++a)
             if (v0 + a * 32 < U) dst[v0 + a * 32] = buf[a];
         }
       }
@@ -1013,6 +1171,26 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
       }
     }
     __syncwarp();
+  }
+
+  // ---- capacity mode: padding rows are zero (data, scales, weight) with no source (-1) ----
+  if (capacity) {
+    const int64_t seg = static_cast<int64_t>(p.R) * p.ecap;
+    for (int64_t n = gwarp; n < p.N; n += nwarps) {
+      const int64_t e = n / seg, rem = n - e * seg, r = rem / p.ecap, pos = rem - r * p.ecap;
+      const int64_t cnt = s_counts[r * p.C + kColExperts + e];
+      if (pos < cnt) continue;  // a real row, written above
+      if (p.vec) {
+        for (int64_t v = lane; v < U; v += 32) reinterpret_cast<uint4*>(p.data + n * p.H)[v] = make_uint4(0, 0, 0, 0);
+      } else {
+        for (int64_t hh = lane; hh < p.H; hh += 32) p.data[n * p.H + hh] = 0;
+      }
+      for (int c = lane; c < p.ns; c += 32) p.scale[n * p.ns + c] = 0.0f;
+      if (lane == 0) {
+        p.weights[n] = 0.0f;
+        p.row_src[n] = -1;
+      }
+    }
   }
 }
 
@@ -1042,8 +1220,8 @@ __device__ __forceinline__ uint32_t combine_tail_word(const CombPackParams& p, i
 }
 
 template <typename T, int UPT>
-__global__ void __launch_bounds__(1024) combine_pack_vec_kernel(CombPackParams p) {
-  __shared__ float s_red[32];
+__global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_pack_vec_kernel(CombPackParams p) {
+  __shared__ uint32_t s_red[32];
   const int64_t i = blockIdx.x;
   const int64_t U = p.H / 16;
   float acc[UPT][16];
@@ -1070,32 +1248,26 @@ __global__ void __launch_bounds__(1024) combine_pack_vec_kernel(CombPackParams p
   uint8_t* dst = p.buf + i * p.row_bytes;
   float scale = 0.0f;
   if (p.quant) {
-    float m = 0.0f;
+    uint32_t mb = 0;
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
       if (u < U)
 #pragma unroll
-        for (int e = 0; e < 16; ++e) m = amax_step(m, acc[j][e]);
+        for (int e = 0; e < 16; ++e) mb = max(mb, abs_bits(acc[j][e]));
     }
-    m = warp_amax(m);
-    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = m;
+    mb = warp_max_u32(mb);
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = mb;
     __syncthreads();
-    m = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = amax_step(m, s_red[w]);
+    mb = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) mb = max(mb, s_red[w]);
+    const float m = amax_value(mb);
     const float q = quant_multiplier(m);
     scale = p.H == 0 ? 0.0f : scale_of(m);
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (u < U) {
-        uint4 o;
-        o.x = pack4(acc[j][0], acc[j][1], acc[j][2], acc[j][3], q);
-        o.y = pack4(acc[j][4], acc[j][5], acc[j][6], acc[j][7], q);
-        o.z = pack4(acc[j][8], acc[j][9], acc[j][10], acc[j][11], q);
-        o.w = pack4(acc[j][12], acc[j][13], acc[j][14], acc[j][15], q);
-        reinterpret_cast<uint4*>(dst)[u] = o;
-      }
+      if (u < U) reinterpret_cast<uint4*>(dst)[u] = quantize_f32x16(acc[j], q);
     }
   } else {
 #pragma unroll
@@ -1149,7 +1321,7 @@ __global__ void __launch_bounds__(256) combine_pack_scalar_kernel(CombPackParams
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = amax_step(m, s_red[w]);
     const float q = quant_multiplier(m);
     scale = p.H == 0 ? 0.0f : scale_of(m);
-    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) dst[h] = e4m3_from_f32(__fmul_rn(combine_acc<T>(p, i, h), q));
+    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) dst[h] = e4m3_1(__fmul_rn(combine_acc<T>(p, i, h), q));
   } else {
     T* out = reinterpret_cast<T*>(dst);
     for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) Elem<T>::store1(out + h, combine_acc<T>(p, i, h));
@@ -1173,7 +1345,7 @@ struct CombUnpackParams {
 };
 
 template <typename T, int UPT>
-__global__ void __launch_bounds__(1024) combine_unpack_vec_kernel(CombUnpackParams p) {
+__global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_unpack_vec_kernel(CombUnpackParams p) {
   const int64_t t = blockIdx.x;
   const int64_t U = p.H / 16;
   float acc[UPT][16];
@@ -1191,9 +1363,10 @@ __global__ void __launch_bounds__(1024) combine_unpack_vec_kernel(CombUnpackPara
       for (int j = 0; j < UPT; ++j) {
         const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
         if (u < U) {
-          const uint4 q = load_fp8_unit(row + u * 16);
+          float f[16];
+          fp8_unit_to_f32(load_fp8_unit(row + u * 16), f);
 #pragma unroll
-          for (int e = 0; e < 16; ++e) acc[j][e] = __fadd_rn(acc[j][e], __fmul_rn(fp8_word_elem(q, e), sc));
+          for (int e = 0; e < 16; ++e) acc[j][e] = __fadd_rn(acc[j][e], __fmul_rn(f[e], sc));
         }
       }
     } else {
@@ -1242,7 +1415,7 @@ __global__ void __launch_bounds__(256) combine_unpack_scalar_kernel(CombUnpackPa
       if (s < 0 || s >= p.rows) continue;
       const uint8_t* row = p.buf + static_cast<int64_t>(s) * p.row_bytes;
       if (p.quant)
-        a = __fadd_rn(a, __fmul_rn(f32_from_e4m3(row[h]), *reinterpret_cast<const float*>(row + p.scale_off)));
+        a = __fadd_rn(a, __fmul_rn(e4m3_to_f32_1(row[h]), *reinterpret_cast<const float*>(row + p.scale_off)));
       else
         a = __fadd_rn(a, Elem<T>::load1(reinterpret_cast<const T*>(row) + h));
     }
@@ -1268,6 +1441,7 @@ std::tuple<Tensor, Tensor> quantize_cuda(const Tensor& x, int64_t granularity, c
   check_activation(x, "x");
   const int64_t T = x.size(0), H = x.size(1);
   check_granularity(granularity, H);
+  TORCH_CHECK(granularity != kRaw, "fp8a2a: quantize takes granularity row, block128 or tensor");
   if (granularity == kTensor && scale.has_value()) check_tensor_scale(scale, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -1310,9 +1484,9 @@ std::tuple<Tensor, Tensor> quantize_cuda(const Tensor& x, int64_t granularity, c
   const int upt = (H % 16 == 0 && H > 0 && aligned16(x.data_ptr())) ? units_per_thread(U) : 0;
   FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "quantize", [&] {
     if (upt == 1) {
-      quantize_vec_kernel<scalar_t, 1><<<T, round_up32(U), 0, stream>>>(p);
+      quantize_vec_kernel<scalar_t, 1><<<T, threads_for(U, 1), 0, stream>>>(p);
     } else if (upt == 2) {
-      quantize_vec_kernel<scalar_t, 2><<<T, round_up32((U + 1) / 2), 0, stream>>>(p);
+      quantize_vec_kernel<scalar_t, 2><<<T, threads_for(U, 2), 0, stream>>>(p);
     } else {
       const size_t smem = granularity == kBlock128 ? (H / kBlock) * 4 : 0;
       ensure_smem(quantize_scalar_kernel<scalar_t>, smem, x.get_device(), "quantize");
@@ -1341,8 +1515,8 @@ Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType d
                 "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
     span = kBlock;
   }
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "fp8a2a: dequantize dtype must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+              "fp8a2a: dequantize dtype must be float32, float16, bfloat16 or float64, got ", dtype);
   const c10::cuda::CUDAGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   auto out = at::empty({T, H}, data.options().dtype(dtype));
@@ -1352,11 +1526,11 @@ Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType d
   const float* sp = scale.data_ptr<float>();
   const int64_t cap = static_cast<int64_t>(num_sms(data.get_device())) * 16;
   const bool vec = H % 16 == 0 && aligned16(in);
-  FP8A2A_DISPATCH_FLOAT(dtype, "dequantize", [&] {
+  FP8A2A_DISPATCH_FLOAT_AND_DOUBLE(dtype, "dequantize", [&] {
     auto* op = reinterpret_cast<scalar_t*>(out.data_ptr());
     if (vec) {
       const int64_t units = n / 16;
-      const int blocks = static_cast<int>(std::min<int64_t>((units + 255) / 256, cap));
+      const int blocks = static_cast<int>(std::min<int64_t>((units + 1023) / 1024, cap));
       dequantize_vec_kernel<scalar_t><<<blocks, 256, 0, stream>>>(in, sp, op, units, span);
     } else {
       const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, cap));
@@ -1369,37 +1543,40 @@ Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType d
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                                       int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                      const std::optional<Tensor>& tensor_scale) {
-  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks);
+                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
+  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
   check_granularity(granularity, H);
   if (granularity == kTensor) check_tensor_scale(tensor_scale, x);
+  TORCH_CHECK(rank_capacity >= 0, "fp8a2a: rank_capacity must be >= 0, got ", rank_capacity);
   const DispatchRow L(H, granularity, K);
   const int64_t TK = T * K;
-  const int64_t cols = num_experts + R + 1;
-  TORCH_CHECK(TK < INT_MAX && num_experts < INT_MAX / 2 && T * std::min(K, R) < INT_MAX,
+  const int64_t cols = num_experts + R + 1;  // per-expert slots, per-rank rows, bad ids
+  const int64_t send_rows = send_buffer_rows(T, K, R, rank_capacity);
+  TORCH_CHECK(TK < INT_MAX && num_experts < INT_MAX / 2 && send_rows < INT_MAX,
               "fp8a2a: dispatch_pack on CUDA supports fewer than 2^31 slots and rows");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int device = x.get_device();
 
-  auto send = at::empty({send_buffer_rows(T, K, R), L.bytes}, x.options().dtype(at::kByte));
+  auto send = at::empty({send_rows, L.bytes}, x.options().dtype(at::kByte));
   auto counts = at::empty({R, kColExperts + El}, x.options().dtype(at::kLong));
   auto send_pos = at::empty({T, R}, x.options().dtype(at::kInt));
 
-  // ---- layout geometry ----
+  // ---- layout geometry: chunks of W warps x steps groups of 32 slots, about one per SM ----
   int W = 16;
   while (W > 1 && static_cast<int64_t>(W) * cols * 4 > kSmemDefault) W /= 2;
   const size_t layout_smem = static_cast<size_t>(W) * cols * 4;
   const int64_t per_step = static_cast<int64_t>(W) * 32;
   const int64_t sms = num_sms(device);
-  const int steps =
-      static_cast<int>(std::min<int64_t>(kMaxLayoutSteps, std::max<int64_t>(1, (TK + per_step * sms - 1) / (per_step * sms))));
+  const int steps = static_cast<int>(
+      std::min<int64_t>(kMaxLayoutSteps, std::max<int64_t>(1, (TK + per_step * sms - 1) / (per_step * sms))));
   const int64_t chunk_slots = per_step * steps;
   const int64_t nchunks = std::max<int64_t>(1, (TK + chunk_slots - 1) / chunk_slots);
   TORCH_CHECK(nchunks * cols < INT_MAX, "fp8a2a: dispatch_pack: too many tokens x experts for the CUDA layout");
 
-  const int64_t slot_off = (4 + R + nchunks * cols + 1) / 2 * 2;  // int2-aligned
+  // scratch: [done counter, pad x3][rank_off R][chunk_off nchunks x cols][slot_rank 2 x TK]
+  const int64_t slot_off = (4 + R + nchunks * cols + 1) / 2 * 2;
   auto scratch = at::empty({slot_off + 2 * TK}, x.options().dtype(at::kInt));
   int* sp = scratch.data_ptr<int>();
   LayoutParams lp{};
@@ -1414,6 +1591,8 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   lp.steps = steps;
   lp.nchunks = static_cast<int>(nchunks);
   lp.H = H;
+  lp.gran = granularity;
+  lp.cap = rank_capacity;
   lp.done = reinterpret_cast<unsigned*>(sp);
   lp.rank_off = sp + 4;
   lp.chunk_off = sp + 4 + R;
@@ -1443,6 +1622,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.T = T;
   p.H = H;
   p.row_bytes = L.bytes;
+  p.cap = rank_capacity;
   p.K = static_cast<int>(K);
   p.E = static_cast<int>(num_experts);
   p.El = static_cast<int>(El);
@@ -1454,34 +1634,45 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.weight_off = static_cast<int>(L.weight_off);
   p.expert_off = static_cast<int>(L.expert_off);
   p.pos_off = static_cast<int>(L.pos_off);
+  p.vec = H % 16 == 0 && aligned16(x.data_ptr());
   const size_t smem = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
-  const int64_t U = H / 16;
-  const int upt = (H % 16 == 0 && aligned16(x.data_ptr())) ? units_per_thread(U) : 0;
-  FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "dispatch_pack", [&] {
-    auto launch = [&](auto idx_tag) {
-      using IdxT = decltype(idx_tag);
+  auto launch = [&](auto idx_tag) {
+    using IdxT = decltype(idx_tag);
+    if (granularity == kRaw) {
+      ensure_smem(dispatch_pack_raw_kernel<IdxT>, smem, device, "dispatch_pack");
+      const int threads = static_cast<int>(std::min<int64_t>(512, round_up32(p.vec ? H / 16 : H)));
+      dispatch_pack_raw_kernel<IdxT><<<T, threads, smem, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    const int64_t U = H / 16;
+    const int upt = p.vec ? units_per_thread(U, /*prefer2=*/true) : 0;
+    FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "dispatch_pack", [&] {
       if (upt == 1) {
         ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 1>, smem, device, "dispatch_pack");
-        dispatch_pack_vec_kernel<scalar_t, IdxT, 1><<<T, round_up32(U), smem, stream>>>(p);
+        dispatch_pack_vec_kernel<scalar_t, IdxT, 1><<<T, threads_for(U, 1), smem, stream>>>(p);
       } else if (upt == 2) {
         ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 2>, smem, device, "dispatch_pack");
-        dispatch_pack_vec_kernel<scalar_t, IdxT, 2><<<T, round_up32((U + 1) / 2), smem, stream>>>(p);
+        dispatch_pack_vec_kernel<scalar_t, IdxT, 2><<<T, threads_for(U, 2), smem, stream>>>(p);
       } else {
         ensure_smem(dispatch_pack_scalar_kernel<scalar_t, IdxT>, smem, device, "dispatch_pack");
         dispatch_pack_scalar_kernel<scalar_t, IdxT><<<T, 256, smem, stream>>>(p);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (topk_idx.scalar_type() == at::kLong) launch(int64_t{});
-    else launch(int32_t{});
-  });
+    });
+  };
+  if (topk_idx.scalar_type() == at::kLong) launch(int64_t{});
+  else launch(int32_t{});
   return {send, counts, send_pos};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(const Tensor& recv, const Tensor& recv_counts,
                                                                                 int64_t hidden, int64_t granularity,
-                                                                                int64_t topk, int64_t num_rows) {
+                                                                                int64_t topk, int64_t num_rows,
+                                                                                int64_t rank_capacity,
+                                                                                int64_t expert_capacity) {
   check_granularity(granularity, hidden);
+  TORCH_CHECK((rank_capacity > 0) == (expert_capacity > 0), "fp8a2a: capacity mode needs both capacities");
   const DispatchRow L(hidden, granularity, topk);
   TORCH_CHECK(recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.size(1) == L.bytes && recv.is_contiguous(),
               "fp8a2a: received buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", recv.sizes(), " ",
@@ -1489,15 +1680,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(
   TORCH_CHECK(recv_counts.dim() == 2 && recv_counts.scalar_type() == at::kLong && recv_counts.size(1) > kColExperts,
               "fp8a2a: recv_counts must be int64 [ranks, ", int64_t(kColExperts), " + local experts]");
   check_same_device(recv, recv_counts, "recv_counts");
-  TORCH_CHECK(num_rows >= 0 && num_rows < INT_MAX && recv.size(0) < INT_MAX,
+  const auto counts = recv_counts.contiguous();
+  const int64_t R = counts.size(0), C = counts.size(1), El = C - kColExperts, Nr = recv.size(0), H = hidden;
+  const bool capacity = expert_capacity > 0;
+  // The checks that need only shapes; those on the counts' values would need a host sync: there,
+  // inconsistent rows are skipped (their slot_pos entries are -1) instead of raising.
+  if (capacity) {
+    TORCH_CHECK(Nr == R * rank_capacity, "fp8a2a: capacity mode expects ", R * rank_capacity, " rows, got ", Nr);
+    TORCH_CHECK(num_rows == El * R * expert_capacity, "fp8a2a: capacity mode has ", El * R * expert_capacity,
+                " expert rows, num_rows is ", num_rows);
+  }
+  TORCH_CHECK(num_rows >= 0 && num_rows < INT_MAX && Nr < INT_MAX,
               "fp8a2a: dispatch_unpack on CUDA supports fewer than 2^31 rows, got num_rows=", num_rows);
   const c10::cuda::CUDAGuard guard(recv.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int device = recv.get_device();
-  const auto counts = recv_counts.contiguous();
-  const int64_t R = counts.size(0), C = counts.size(1), El = C - kColExperts, Nr = recv.size(0), H = hidden;
   const auto o = recv.options();
-  auto data = at::empty({num_rows, H}, o.dtype(at::kFloat8_e4m3fn));
+  auto data = at::empty({num_rows, H}, o.dtype(granularity == kRaw ? at::kByte : at::kFloat8_e4m3fn));
   auto scale = at::empty(granularity == kTensor ? std::vector<int64_t>{num_rows} : scale_shape(num_rows, H, granularity),
                          o.dtype(at::kFloat));
   auto weights = at::empty({num_rows}, o.dtype(at::kFloat));
@@ -1522,6 +1721,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(
   p.N = num_rows;
   p.H = H;
   p.row_bytes = L.bytes;
+  p.rcap = rank_capacity;
+  p.ecap = expert_capacity;
   p.K = static_cast<int>(topk);
   p.R = static_cast<int>(R);
   p.El = static_cast<int>(El);
@@ -1531,11 +1732,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(
   p.weight_off = static_cast<int>(L.weight_off);
   p.expert_off = static_cast<int>(L.expert_off);
   p.pos_off = static_cast<int>(L.pos_off);
-  p.vec = H % 16 == 0 && aligned16(p.recv);
+  p.vec = H % 16 == 0 && aligned16(p.recv) && aligned16(p.data);
   constexpr int kWarps = 8;
   const size_t smem = unpack_smem_bytes(R, C, El, topk, kWarps);
   ensure_smem(dispatch_unpack_kernel, smem, device, "dispatch_unpack");
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((Nr + kWarps - 1) / kWarps, 4 * num_sms(device)));
+  const int64_t work = std::max(Nr, capacity ? num_rows : int64_t{0});
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kWarps - 1) / kWarps, 4 * num_sms(device)));
   dispatch_unpack_kernel<<<blocks, kWarps * 32, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Tensor granularity keeps one scale per row, as on the CPU.
@@ -1574,8 +1776,8 @@ Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const
   const int64_t U = H / 16;
   const int upt = (H % 16 == 0 && H > 0 && aligned16(p.eo)) ? units_per_thread(U) : 0;
   FP8A2A_DISPATCH_FLOAT(expert_out.scalar_type(), "combine_pack", [&] {
-    if (upt == 1) combine_pack_vec_kernel<scalar_t, 1><<<Nr, round_up32(U), 0, stream>>>(p);
-    else if (upt == 2) combine_pack_vec_kernel<scalar_t, 2><<<Nr, round_up32((U + 1) / 2), 0, stream>>>(p);
+    if (upt == 1) combine_pack_vec_kernel<scalar_t, 1><<<Nr, threads_for(U, 1), 0, stream>>>(p);
+    else if (upt == 2) combine_pack_vec_kernel<scalar_t, 2><<<Nr, threads_for(U, 2), 0, stream>>>(p);
     else combine_pack_scalar_kernel<scalar_t><<<Nr, 256, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -1590,8 +1792,8 @@ std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& 
   TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.size(1) == L.bytes && buf.is_contiguous(),
               "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
   check_same_device(buf, send_pos, "send_pos");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "fp8a2a: combine dtype must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+              "fp8a2a: combine dtype must be float32, float16, bfloat16 or float64, got ", dtype);
   const c10::cuda::CUDAGuard guard(buf.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   auto y = at::empty({T, H}, buf.options().dtype(dtype));
@@ -1613,9 +1815,9 @@ std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& 
   p.quant = quantized;
   const int64_t U = H / 16;
   const int upt = (H % 16 == 0 && H > 0 && aligned16(p.buf)) ? units_per_thread(U) : 0;
-  FP8A2A_DISPATCH_FLOAT(dtype, "combine_unpack", [&] {
-    if (upt == 1) combine_unpack_vec_kernel<scalar_t, 1><<<T, round_up32(U), 0, stream>>>(p);
-    else if (upt == 2) combine_unpack_vec_kernel<scalar_t, 2><<<T, round_up32((U + 1) / 2), 0, stream>>>(p);
+  FP8A2A_DISPATCH_FLOAT_AND_DOUBLE(dtype, "combine_unpack", [&] {
+    if (upt == 1) combine_unpack_vec_kernel<scalar_t, 1><<<T, threads_for(U, 1), 0, stream>>>(p);
+    else if (upt == 2) combine_unpack_vec_kernel<scalar_t, 2><<<T, threads_for(U, 2), 0, stream>>>(p);
     else combine_unpack_scalar_kernel<scalar_t><<<T, 256, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
