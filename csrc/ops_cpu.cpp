@@ -26,6 +26,10 @@ void quantize_row(const T* x, int64_t hidden, int64_t granularity, float tensor_
     scales[0] = tensor_s;
     return;
   }
+  if (hidden == 0) {  // an empty row: amax 0, so scale 1 (row); block128 has no blocks
+    if (granularity == kRow) scales[0] = dequant_scale(0.0f);
+    return;
+  }
   const int64_t span = granularity == kRow ? hidden : kBlock;
   for (int64_t b = 0, j = 0; b < hidden; b += span, ++j) {
     const float amax = amax_of(x + b, span);

@@ -526,8 +526,7 @@ __global__ void quantize_scalar_kernel(QuantParams p) {
   m = 0.0f;
   for (int i = 0; i < nwarps; ++i) m = amax_step(m, s_red[i]);
   const float q = quant_multiplier(m);
-  // ops_cpu.cpp writes no row scale when H == 0 (its loop over blocks is empty); write 1 then.
-  if (threadIdx.x == 0) p.scales[t] = H == 0 ? 1.0f : scale_of(m);
+  if (threadIdx.x == 0) p.scales[t] = scale_of(m);
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), q));
 }
 
@@ -893,7 +892,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
     rm = amax_value(mb);
 #pragma unroll
     for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(rm);
-    row_scale = p.H == 0 ? 0.0f : scale_of(rm);  // ops_cpu.cpp leaves the zero fill when H == 0
+    row_scale = scale_of(rm);
   }
   uint4 out[UPT];
 #pragma unroll
@@ -958,7 +957,7 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
     rm = 0.0f;
     for (int i = 0; i < nwarps; ++i) rm = amax_step(rm, s.red[i]);
     q = quant_multiplier(rm);
-    row_scale = H == 0 ? 0.0f : scale_of(rm);
+    row_scale = scale_of(rm);
   }
   write_send_pos(p, t, s);
   for (int k = 0; k < p.K; ++k) {
@@ -1263,7 +1262,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_pack_vec_kernel
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) mb = max(mb, s_red[w]);
     const float m = amax_value(mb);
     const float q = quant_multiplier(m);
-    scale = p.H == 0 ? 0.0f : scale_of(m);
+    scale = scale_of(m);
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
@@ -1320,7 +1319,7 @@ __global__ void __launch_bounds__(256) combine_pack_scalar_kernel(CombPackParams
     m = 0.0f;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = amax_step(m, s_red[w]);
     const float q = quant_multiplier(m);
-    scale = p.H == 0 ? 0.0f : scale_of(m);
+    scale = scale_of(m);
     for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) dst[h] = e4m3_1(__fmul_rn(combine_acc<T>(p, i, h), q));
   } else {
     T* out = reinterpret_cast<T*>(dst);

@@ -102,6 +102,7 @@ def test_hidden_not_multiple_of_16_and_empty():
         assert torch.equal(u8(fp8a2a.quantize(x).data), u8(quantize_reference(x)[0]))
     q = fp8a2a.quantize(torch.randn(0, 64))
     assert q.data.shape == (0, 64) and q.scale.shape == (0,)
+    assert fp8a2a.quantize(torch.randn(3, 0)).scale.tolist() == [1.0, 1.0, 1.0]  # empty rows: amax 0
 
 
 # ---- send side, receive side, combine ------------------------------------------------------
