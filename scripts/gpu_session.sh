@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one script for one device call (build, GPU tests, benchmarks).
+#   bash scripts/gpu_session.sh [tests|bench|all]
+# Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the device tool brings
+# back at most 8 files), default OUT=./gpu_out.
+# The megatron-core 0.19.2 wheel travels in .whl/ (see README "GPU runs"); without it the Megatron
+# parts skip themselves. Each step has its own time limit so one slow step cannot eat the call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+LOGS=$(mktemp -d)/gpu_results
+mkdir -p "$OUT" "$LOGS"
+trap 'tar czf "$OUT/gpu_results.tgz" -C "$(dirname "$LOGS")" gpu_results' EXIT
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, print the tail
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  echo "--- $name: exit $? in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-12}" "$LOGS/$name.log"
+}
+# pip install -e would try to fetch setuptools there (no network): build in place instead.
+step build 300 python3 setup.py build_ext --inplace || exit 1
+python3 -c "import torch, fp8a2a.ops; print(torch.__version__, torch.cuda.get_device_name())"
+mode=${1:-all}
+if [[ $mode == tests || $mode == all ]]; then
+  step check_cuda_ops 120 python3 scripts/check_cuda_ops.py
+  step pytest_gpu 420 python3 -m pytest -q -x tests/test_dispatch_cuda.py tests/test_ops.py tests/test_experts.py \
+    tests/test_dispatch.py -k "cuda or gpu or CUDA or single_process"
+  step megatron_check 180 python3 scripts/gpu_megatron_check.py
+fi
+if [[ $mode == bench || $mode == all ]]; then
+  step bench_kernels 120 python3 scripts/bench_kernels.py --json "$LOGS/kernels.json"
+  step bench_dispatch 120 python3 scripts/bench_dispatch.py --json "$LOGS/dispatch.json"
+  step bench_experts 180 python3 scripts/bench_experts.py --json "$LOGS/experts.json"
+  step bench_moe_layer 240 python3 scripts/bench_moe_layer.py --json "$LOGS/moe_layer.json"
+  step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
+  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels.json"
+fi
