@@ -26,6 +26,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .timing import cuda_median_ms
+
 EP_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -170,26 +172,10 @@ def project(params: Params, ep_sizes=EP_SIZES) -> List[dict]:
 # ------------------------------------------------------------------------------------------
 # kernel costs measured on this machine
 
-def _median_ms(fn, iters=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def _copy_ms(nbytes, dev):
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    return _median_ms(lambda: dst.copy_(src))
+    return cuda_median_ms(lambda: dst.copy_(src))
 
 
 def _fit(b1, t1, b2, t2):
@@ -217,7 +203,7 @@ def measure(params: Params) -> Params:
         mega = MegatronStyleAlltoAll(E)
         b = kernel_bytes(T, H, K, D=1, L=E, row=row, crow=crow)
         mega_pts.append((b["megatron_dispatch"] + b["megatron_combine"],
-                         _median_ms(lambda: mega.combine(mega.dispatch(x, rmap, probs)[0]))))
+                         cuda_median_ms(lambda: mega.combine(mega.dispatch(x, rmap, probs)[0]))))
         try:
             d = Dispatcher(E, granularity="row", bf16_below_bytes=0)
             y = torch.randn(T * K, H, device=dev, dtype=torch.bfloat16)
@@ -225,7 +211,7 @@ def measure(params: Params) -> Params:
             def fp8_call():
                 out = d.dispatch(x, idx, w)
                 return d.combine(y[:out.handle.num_rows], out.handle, apply_weights=False)
-            fp8_pts.append((b["fp8a2a_dispatch"] + b["fp8a2a_combine"], _median_ms(fp8_call)))
+            fp8_pts.append((b["fp8a2a_dispatch"] + b["fp8a2a_combine"], cuda_median_ms(fp8_call)))
         except (NotImplementedError, RuntimeError) as e:
             P.sources["fp8a2a_kernel_tbps"] = f"assumed (fp8a2a ops failed on this GPU: {str(e).splitlines()[0][:80]})"
     fit = _fit(*mega_pts[0], *mega_pts[1])

@@ -10,7 +10,6 @@ Needs CUDA; the Megatron baseline needs megatron-core (skipped with a message ot
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -21,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fp8a2a  # noqa: E402
 from fp8a2a import ops  # noqa: E402
+from fp8a2a.timing import cuda_median_ms  # noqa: E402
 
 POINTS = [dict(tokens=4096, hidden=7168, experts=256, topk=8), dict(tokens=128, hidden=7168, experts=256, topk=8)]
 
@@ -30,21 +30,6 @@ def routing(tokens, experts, topk, seed=0):
     logits = torch.randn(tokens, experts, device="cuda", generator=g)
     w, idx = torch.topk(logits.softmax(-1), topk, dim=-1)
     return idx, w / w.sum(-1, keepdim=True)
-
-
-def cuda_time(fn, iters=50, warmup=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def host_time(fn, iters=50):
@@ -119,7 +104,7 @@ def bench_point(p):
         o = d.dispatch(x, idx, w)
         return d.combine(expert_out, o.handle)
 
-    res["fp8_ms"] = cuda_time(fp8_step)
+    res["fp8_ms"] = cuda_median_ms(fp8_step)
     res["fp8_host_ms"] = host_time(fp8_step)
     res["fp8_kernels"], res["fp8_copies"], res["fp8_syncs"] = kernels_and_syncs(fp8_step)
     res["fp8_peak_mib"] = peak_memory(fp8_step)
@@ -150,8 +135,8 @@ def bench_point(p):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         cap_step()
-    res["fp8_capacity_eager_ms"] = cuda_time(cap_step)
-    res["fp8_capacity_graph_ms"] = cuda_time(graph.replay)
+    res["fp8_capacity_eager_ms"] = cuda_median_ms(cap_step)
+    res["fp8_capacity_graph_ms"] = cuda_median_ms(graph.replay)
     res["fp8_capacity_graph_host_ms"] = host_time(graph.replay)
 
     md = megatron_dispatcher(p)
@@ -167,7 +152,7 @@ def bench_point(p):
             hs = md.token_combine(hs)
             return md.combine_postprocess(hs)
 
-        res["megatron_ms"] = cuda_time(meg_step)
+        res["megatron_ms"] = cuda_median_ms(meg_step)
         res["megatron_host_ms"] = host_time(meg_step)
         res["megatron_kernels"], res["megatron_copies"], res["megatron_syncs"] = kernels_and_syncs(meg_step)
         res["megatron_peak_mib"] = peak_memory(meg_step)

@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fp8a2a  # noqa: E402
 from fp8a2a.bench import MegatronStyleAlltoAll, make_routing, percentile  # noqa: E402
+from fp8a2a.timing import cuda_median_ms  # noqa: E402
 
 TARGET_SPEEDUP = 1.8
 # name: (tokens per rank, experts, top-k, hidden, expert ffn)
@@ -218,21 +219,6 @@ def rel_err(paths: Paths, a, b):
         return ((ya.float() - yb.float()).norm() / yb.float().norm().clamp_min(1e-30)).item()
 
 
-def _cuda_ms(fn, iters):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return percentile(ts, 50)
-
-
 def _host_us(fn, n=50):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -290,18 +276,18 @@ def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
         return graph
 
     try:
-        res["eager_ms"] = _cuda_ms(step(p), iters)
+        res["eager_ms"] = cuda_median_ms(step(p), iters)
         res["eager_host_us"] = _host_us(step(p), 20)
-        res["eager_fwd_ms"] = _cuda_ms(fwd(p), iters)
-        res["eager_capacity_ms"] = _cuda_ms(step(p_cap), iters)
+        res["eager_fwd_ms"] = cuda_median_ms(fwd(p), iters)
+        res["eager_capacity_ms"] = cuda_median_ms(step(p_cap), iters)
         res["eager_capacity_host_us"] = _host_us(step(p_cap), 20)
-        res["eager_capacity_fwd_ms"] = _cuda_ms(fwd(p_cap), iters)
+        res["eager_capacity_fwd_ms"] = cuda_median_ms(fwd(p_cap), iters)
     except Exception as e:  # noqa: BLE001
         res["why"] = f"eager step failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         return res
     try:  # forward only first (what the capacity-mode tests capture), then forward + backward
         g = capture(fwd(p_cap))
-        res["graph_fwd_ms"] = _cuda_ms(g.replay, iters)
+        res["graph_fwd_ms"] = cuda_median_ms(g.replay, iters)
         res["graph_fwd_host_us"] = _host_us(g.replay, 50)
         res["available"] = True
         del g
@@ -310,7 +296,7 @@ def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
             _, y = p_cap.fp8()
             y.backward(p_cap.gy)
         g = capture(fwd_bwd)
-        res["graph_ms"] = _cuda_ms(g.replay, iters)
+        res["graph_ms"] = cuda_median_ms(g.replay, iters)
         res["graph_host_us"] = _host_us(g.replay, 50)
         res["graph_speedup_vs_eager"] = res["eager_ms"] / res["graph_ms"]
     except Exception as e:  # noqa: BLE001 - report why, keep the rest of the results

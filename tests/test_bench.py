@@ -203,7 +203,7 @@ def test_series_skip_when_experts_do_not_split(tmp_path):
     assert [s.name for s in bench.build_series(bench.parse_args([]), cuda=True)] == [s.name for s in bench.GPU_SERIES]
     recs, meta = bench.spawn_gloo(4, bench._sweep_entry, bench.parse_args(
         ["--hidden", "128", "--experts", "6,8", "--topk", "2", "--tokens", "8", "--iters", "1", "--warmup", "0",
-         "--quiet", "--no-plot"]))
+         "--quiet", "--no-plot"]))[0]
     assert meta["skipped_series"] == ["H128-E6-K2-row"] and {r["series"] for r in recs} == {"H128-E8-K2-row"}
 
 
