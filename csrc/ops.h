@@ -113,6 +113,62 @@ inline void check_tensor_scale(const std::optional<Tensor>& scale, const Tensor&
   check_same_device(x, *scale, "scale");
 }
 
+// dequantize: checks data and scale, returns the elements per scale (0: one scale for the tensor).
+inline int64_t check_dequantize(const Tensor& data, const Tensor& scale, at::ScalarType dtype) {
+  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kFloat8_e4m3fn && data.is_contiguous(),
+              "fp8a2a: dequantize needs contiguous float8_e4m3fn [tokens, hidden] data, got ", data.sizes(), " ",
+              data.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "fp8a2a: scale must be contiguous float32");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+              "fp8a2a: dequantize dtype must be float32, float16, bfloat16 or float64, got ", dtype);
+  check_same_device(data, scale, "scale");
+  const int64_t T = data.size(0), H = data.size(1);
+  if (scale.dim() == 0) return 0;
+  if (scale.dim() == 1) {
+    TORCH_CHECK(scale.size(0) == T, "fp8a2a: row scale has ", scale.size(0), " entries for ", T, " rows");
+    return H;
+  }
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == T && scale.size(1) * kBlock == H,
+              "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
+  return kBlock;
+}
+
+// dispatch_unpack: the checks that need only shapes (those on the counts' values are the CPU's
+// alone: on the GPU they would need a host sync, and inconsistent rows are skipped instead).
+inline DispatchRow check_unpack(const Tensor& recv, const Tensor& recv_counts, int64_t hidden, int64_t granularity,
+                                int64_t topk, int64_t num_rows, int64_t rank_capacity, int64_t expert_capacity) {
+  check_granularity(granularity, hidden);
+  TORCH_CHECK((rank_capacity > 0) == (expert_capacity > 0), "fp8a2a: capacity mode needs both capacities");
+  const DispatchRow L(hidden, granularity, topk);
+  TORCH_CHECK(recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.size(1) == L.bytes && recv.is_contiguous(),
+              "fp8a2a: received buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", recv.sizes(), " ",
+              recv.scalar_type());
+  TORCH_CHECK(recv_counts.dim() == 2 && recv_counts.scalar_type() == at::kLong && recv_counts.size(1) > kColExperts,
+              "fp8a2a: recv_counts must be int64 [ranks, ", int64_t(kColExperts), " + local experts]");
+  check_same_device(recv, recv_counts, "recv_counts");
+  const int64_t R = recv_counts.size(0), El = recv_counts.size(1) - kColExperts;
+  if (expert_capacity > 0) {
+    TORCH_CHECK(recv.size(0) == R * rank_capacity, "fp8a2a: capacity mode expects ", R * rank_capacity,
+                " rows, got ", recv.size(0));
+    TORCH_CHECK(num_rows == El * R * expert_capacity, "fp8a2a: capacity mode has ", El * R * expert_capacity,
+                " expert rows, num_rows is ", num_rows);
+  }
+  return L;
+}
+
+// combine_unpack: the buffer must hold CombineRow rows for this hidden size and dtype.
+inline CombineRow check_combine_buffer(const Tensor& buf, const Tensor& send_pos, int64_t hidden, at::ScalarType dtype,
+                                       bool quantized, int64_t extra_k) {
+  check_index(send_pos, 2, "send_pos");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+              "fp8a2a: combine dtype must be float32, float16, bfloat16 or float64, got ", dtype);
+  const CombineRow L(hidden, c10::elementSize(dtype), quantized, extra_k);
+  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.size(1) == L.bytes && buf.is_contiguous(),
+              "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
+  check_same_device(buf, send_pos, "send_pos");
+  return L;
+}
+
 // Compact mode: an upper bound (each token to at most min(K, R) ranks). Capacity mode: R fixed segments.
 inline int64_t send_buffer_rows(int64_t tokens, int64_t topk, int64_t num_ranks, int64_t rank_capacity) {
   return rank_capacity > 0 ? num_ranks * rank_capacity : tokens * std::min(topk, num_ranks);

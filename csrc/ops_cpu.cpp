@@ -93,22 +93,9 @@ std::tuple<Tensor, Tensor> quantize_cpu(const Tensor& x, int64_t granularity, co
 }
 
 Tensor dequantize_cpu(const Tensor& data, const Tensor& scale, at::ScalarType dtype) {
-  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kFloat8_e4m3fn && data.is_contiguous(),
-              "fp8a2a: dequantize needs contiguous float8_e4m3fn [tokens, hidden] data, got ", data.sizes(), " ",
-              data.scalar_type());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "fp8a2a: scale must be contiguous float32");
+  const int64_t per_scale = check_dequantize(data, scale, dtype);
   const int64_t T = data.size(0), H = data.size(1);
-  int64_t span;  // elements per scale
-  if (scale.dim() == 0) {
-    span = H * std::max<int64_t>(T, 1);
-  } else if (scale.dim() == 1) {
-    TORCH_CHECK(scale.size(0) == T, "fp8a2a: row scale has ", scale.size(0), " entries for ", T, " rows");
-    span = H;
-  } else {
-    TORCH_CHECK(scale.dim() == 2 && scale.size(0) == T && scale.size(1) * kBlock == H,
-                "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
-    span = kBlock;
-  }
+  const int64_t span = per_scale ? per_scale : std::max<int64_t>(T * H, 1);  // elements per scale
   auto out = at::empty({T, H}, data.options().dtype(dtype));
   const auto* in = reinterpret_cast<const uint8_t*>(data.data_ptr());
   const float* sp = scale.data_ptr<float>();
@@ -211,14 +198,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
                                                                                int64_t topk, int64_t num_rows,
                                                                                int64_t rank_capacity,
                                                                                int64_t expert_capacity) {
-  check_granularity(granularity, hidden);
-  TORCH_CHECK((rank_capacity > 0) == (expert_capacity > 0), "fp8a2a: capacity mode needs both capacities");
-  const DispatchRow L(hidden, granularity, topk);
-  TORCH_CHECK(recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.size(1) == L.bytes && recv.is_contiguous(),
-              "fp8a2a: received buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", recv.sizes(), " ",
-              recv.scalar_type());
-  TORCH_CHECK(recv_counts.dim() == 2 && recv_counts.scalar_type() == at::kLong && recv_counts.size(1) > kColExperts,
-              "fp8a2a: recv_counts must be int64 [ranks, ", int64_t(kColExperts), " + local experts]");
+  const DispatchRow L =
+      check_unpack(recv, recv_counts, hidden, granularity, topk, num_rows, rank_capacity, expert_capacity);
   const auto counts = recv_counts.contiguous();
   const int64_t R = counts.size(0), C = counts.size(1), El = C - kColExperts, Nr = recv.size(0), H = hidden;
   const int64_t* cp = counts.data_ptr<int64_t>();
@@ -238,11 +219,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
   for (int64_t r = 0; r < R; ++r) row_start[r + 1] = row_start[r] + cp[r * C + kColRows];
   int64_t total = 0;
   for (int64_t e = 0; e < El; ++e) total += tp[e];
-  if (capacity) {
-    TORCH_CHECK(Nr == R * rank_capacity, "fp8a2a: capacity mode expects ", R * rank_capacity, " rows, got ", Nr);
-    TORCH_CHECK(num_rows == El * R * expert_capacity, "fp8a2a: capacity mode has ", El * R * expert_capacity,
-                " expert rows, num_rows is ", num_rows);
-  } else {
+  if (!capacity) {
     TORCH_CHECK(row_start[R] == Nr, "fp8a2a: counts announce ", row_start[R], " rows but ", Nr, " were received");
     TORCH_CHECK(total == num_rows, "fp8a2a: counts announce ", total, " expert rows but num_rows is ", num_rows);
   }
@@ -332,11 +309,8 @@ Tensor combine_pack_cpu(const Tensor& expert_out, const Tensor& slot_pos, const 
 
 std::tuple<Tensor, Tensor> combine_unpack_cpu(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
                                               at::ScalarType dtype, bool quantized, int64_t extra_k) {
-  check_index(send_pos, 2, "send_pos");
+  const CombineRow L = check_combine_buffer(buf, send_pos, hidden, dtype, quantized, extra_k);
   const int64_t T = send_pos.size(0), R = send_pos.size(1), H = hidden;
-  const CombineRow L(H, c10::elementSize(dtype), quantized, extra_k);
-  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.size(1) == L.bytes && buf.is_contiguous(),
-              "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
   auto y = at::empty({T, H}, buf.options().dtype(dtype));
   auto extra = at::zeros({T, extra_k}, buf.options().dtype(at::kFloat));
   const int32_t* sp = send_pos.data_ptr<int32_t>();

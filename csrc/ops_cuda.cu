@@ -1497,25 +1497,8 @@ std::tuple<Tensor, Tensor> quantize_cuda(const Tensor& x, int64_t granularity, c
 }
 
 Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType dtype) {
-  TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kFloat8_e4m3fn && data.is_contiguous(),
-              "fp8a2a: dequantize needs contiguous float8_e4m3fn [tokens, hidden] data, got ", data.sizes(), " ",
-              data.scalar_type());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "fp8a2a: scale must be contiguous float32");
-  check_same_device(data, scale, "scale");
+  const int64_t span = check_dequantize(data, scale, dtype);  // elements per scale; 0: one scale
   const int64_t T = data.size(0), H = data.size(1);
-  int64_t span;  // elements per scale; 0: one scale for everything
-  if (scale.dim() == 0) {
-    span = 0;
-  } else if (scale.dim() == 1) {
-    TORCH_CHECK(scale.size(0) == T, "fp8a2a: row scale has ", scale.size(0), " entries for ", T, " rows");
-    span = H;
-  } else {
-    TORCH_CHECK(scale.dim() == 2 && scale.size(0) == T && scale.size(1) * kBlock == H,
-                "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
-    span = kBlock;
-  }
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
-              "fp8a2a: dequantize dtype must be float32, float16, bfloat16 or float64, got ", dtype);
   const c10::cuda::CUDAGuard guard(data.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   auto out = at::empty({T, H}, data.options().dtype(dtype));
@@ -1670,25 +1653,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(
                                                                                 int64_t topk, int64_t num_rows,
                                                                                 int64_t rank_capacity,
                                                                                 int64_t expert_capacity) {
-  check_granularity(granularity, hidden);
-  TORCH_CHECK((rank_capacity > 0) == (expert_capacity > 0), "fp8a2a: capacity mode needs both capacities");
-  const DispatchRow L(hidden, granularity, topk);
-  TORCH_CHECK(recv.dim() == 2 && recv.scalar_type() == at::kByte && recv.size(1) == L.bytes && recv.is_contiguous(),
-              "fp8a2a: received buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", recv.sizes(), " ",
-              recv.scalar_type());
-  TORCH_CHECK(recv_counts.dim() == 2 && recv_counts.scalar_type() == at::kLong && recv_counts.size(1) > kColExperts,
-              "fp8a2a: recv_counts must be int64 [ranks, ", int64_t(kColExperts), " + local experts]");
-  check_same_device(recv, recv_counts, "recv_counts");
+  const DispatchRow L =
+      check_unpack(recv, recv_counts, hidden, granularity, topk, num_rows, rank_capacity, expert_capacity);
   const auto counts = recv_counts.contiguous();
   const int64_t R = counts.size(0), C = counts.size(1), El = C - kColExperts, Nr = recv.size(0), H = hidden;
   const bool capacity = expert_capacity > 0;
-  // The checks that need only shapes; those on the counts' values would need a host sync: there,
-  // inconsistent rows are skipped (their slot_pos entries are -1) instead of raising.
-  if (capacity) {
-    TORCH_CHECK(Nr == R * rank_capacity, "fp8a2a: capacity mode expects ", R * rank_capacity, " rows, got ", Nr);
-    TORCH_CHECK(num_rows == El * R * expert_capacity, "fp8a2a: capacity mode has ", El * R * expert_capacity,
-                " expert rows, num_rows is ", num_rows);
-  }
   TORCH_CHECK(num_rows >= 0 && num_rows < INT_MAX && Nr < INT_MAX,
               "fp8a2a: dispatch_unpack on CUDA supports fewer than 2^31 rows, got num_rows=", num_rows);
   const c10::cuda::CUDAGuard guard(recv.device());
@@ -1785,14 +1754,8 @@ Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const
 
 std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
                                                at::ScalarType dtype, bool quantized, int64_t extra_k) {
-  check_index(send_pos, 2, "send_pos");
+  const CombineRow L = check_combine_buffer(buf, send_pos, hidden, dtype, quantized, extra_k);
   const int64_t T = send_pos.size(0), R = send_pos.size(1), H = hidden;
-  const CombineRow L(H, c10::elementSize(dtype), quantized, extra_k);
-  TORCH_CHECK(buf.dim() == 2 && buf.scalar_type() == at::kByte && buf.size(1) == L.bytes && buf.is_contiguous(),
-              "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
-  check_same_device(buf, send_pos, "send_pos");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
-              "fp8a2a: combine dtype must be float32, float16, bfloat16 or float64, got ", dtype);
   const c10::cuda::CUDAGuard guard(buf.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   auto y = at::empty({T, H}, buf.options().dtype(dtype));
