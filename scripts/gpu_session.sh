@@ -34,6 +34,7 @@ if [[ $mode == tests || $mode == all ]]; then
   step pytest_gpu 420 python3 -m pytest -q -x tests/test_dispatch_cuda.py tests/test_ops.py tests/test_experts.py \
     tests/test_dispatch.py -k "cuda or gpu or CUDA or single_process"
   step megatron_check 180 python3 scripts/gpu_megatron_check.py
+  step pytest_megatron 240 python3 -m pytest -q tests/test_megatron.py   # megatron-core 0.19.2 here
 fi
 if [[ $mode == bench || $mode == all ]]; then
   step bench_kernels 120 python3 scripts/bench_kernels.py --json "$LOGS/kernels.json"
