@@ -249,3 +249,17 @@ def test_dispatch_is_deterministic_and_nan_rows_stay_nan():
     rows = a.dequantized(torch.float32)
     nan_rows = rows.isnan().any(1)
     assert nan_rows.sum() == 2 and rows[nan_rows].isnan().all()  # token 3's two rows, all NaN
+
+
+def test_int32_ids_bf16_weights_and_no_grad():
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.randint(0, 8, (16, 2), dtype=torch.int32)
+    w = torch.rand(16, 2, dtype=torch.bfloat16, requires_grad=True)
+    d = fp8a2a.Dispatcher(8, bf16_below_bytes=0)
+    out = d.dispatch(x, idx, w)
+    d.combine(out.dequantized() * 2, out.handle).float().sum().backward()
+    assert w.grad.dtype == torch.bfloat16 and bool(w.grad.abs().sum() > 0)
+    assert torch.allclose(x.grad.float(), 2 * w.detach().float().sum(1, keepdim=True).expand(16, 64), rtol=0.02)
+    with torch.no_grad():
+        out = d.dispatch(x, idx, w)
+        assert not d.combine(out.dequantized(), out.handle).requires_grad
