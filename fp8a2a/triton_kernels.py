@@ -259,28 +259,6 @@ def act_quant(z, w, act, z_scale=None):
 
 
 @triton.jit
-def _dequant_kernel(x_ptr, s_ptr, out_ptr, K, s_x, s_sm, s_sk, s_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = c < K
-    x = tl.load(x_ptr + row * s_x + c, mask=ok, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + row * s_sm + (c // 128) * s_sk, mask=ok, other=0.0)
-    tl.store(out_ptr + row * s_o + c, (x * s).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def dequant(x, scale, dtype=torch.bfloat16):
-    """x [M, K] e4m3 times its row ([M], any strides) or block128 ([M, K/128]) scales, in `dtype`."""
-    M, K = x.shape
-    out = torch.empty((M, K), device=x.device, dtype=dtype)
-    if M and K:
-        blk = min(4096, triton.next_power_of_2(K))
-        s_sk = scale.stride(1) if scale.dim() == 2 else 0
-        _dequant_kernel[(M, triton.cdiv(K, blk))](x, scale, out, K, x.stride(0), scale.stride(0), s_sk, out.stride(0),
-                                                  BLOCK=blk, num_warps=4)
-    return out
-
-
-@triton.jit
 def _act_bwd_kernel(z_ptr, dh_ptr, w_ptr, dz_ptr, dw_ptr, F, s_z, s_dh, s_dz,
                     ACT: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

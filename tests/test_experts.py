@@ -399,13 +399,6 @@ def test_gpu_triton_elementwise_kernels():
     d, s = tk.act_quant(data, None, "identity", z_scale=scale)  # block128 -> row, bit-exact to the rule
     ref_d, ref_s = quantize_reference(dequantize_reference(data, scale), "row")
     assert torch.equal(s, ref_s) and torch.equal(d.view(torch.uint8), ref_d.view(torch.uint8))
-    for sc in (scale, ref_s):
-        dd = data if sc is scale else ref_d
-        assert torch.equal(tk.dequant(dd, sc), dequantize_reference(dd, sc, torch.bfloat16))
-    x = torch.randn(333, 3000, device="cuda").bfloat16()  # row quantize of a bf16 tensor
-    q, qs = tk.act_quant(x, None, "identity")
-    rq, rqs = quantize_reference(x, "row")
-    assert torch.equal(qs, rqs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     z = torch.randn(333, 2 * 1500, device="cuda").bfloat16()
     rw = torch.rand(333, device="cuda")
     for act in ("swiglu", "gelu", "relu"):
