@@ -89,6 +89,13 @@ def megatron_dispatcher(p):
     return MoEAlltoAllTokenDispatcher(p["experts"], list(range(p["experts"])), cfg, pg_collection=pgs)
 
 
+def dispatch_combine_step(d, x, idx, w):
+    """One dispatch + combine with `d`; the experts' output is a fixed random tensor of the right shape."""
+    rows = d.dispatch(x, idx, w).handle.num_rows
+    expert_out = torch.randn(rows, x.shape[1], device=x.device, dtype=x.dtype)
+    return lambda: d.combine(expert_out, d.dispatch(x, idx, w).handle)
+
+
 def bench_point(p):
     torch.manual_seed(0)
     t, h, e, k = p["tokens"], p["hidden"], p["experts"], p["topk"]
@@ -96,13 +103,7 @@ def bench_point(p):
     idx, w = routing(t, e, k)
     res = {**p}
 
-    d = fp8a2a.Dispatcher(e, bf16_below_bytes=0)
-    out = d.dispatch(x, idx, w)
-    expert_out = torch.randn(out.handle.num_rows, h, device="cuda", dtype=torch.bfloat16)
-
-    def fp8_step():
-        o = d.dispatch(x, idx, w)
-        return d.combine(expert_out, o.handle)
+    fp8_step = dispatch_combine_step(fp8a2a.Dispatcher(e, bf16_below_bytes=0), x, idx, w)
 
     res["fp8_ms"] = cuda_median_ms(fp8_step)
     res["fp8_host_ms"] = host_time(fp8_step)
@@ -119,13 +120,7 @@ def bench_point(p):
     res["wire_ratio_8ranks"] = res["fp8_wire_bytes_8ranks"] / res["bf16_megatron_wire_bytes_8ranks"]
 
     # Capacity mode replayed from a CUDA graph (zero host syncs, static shapes).
-    dc = fp8a2a.Dispatcher(e, capacity_factor=2.0)
-    oc = dc.dispatch(x, idx, w)
-    eo_c = torch.randn(oc.handle.num_rows, h, device="cuda", dtype=torch.bfloat16)
-
-    def cap_step():
-        o = dc.dispatch(x, idx, w)
-        return dc.combine(eo_c, o.handle)
+    cap_step = dispatch_combine_step(fp8a2a.Dispatcher(e, capacity_factor=2.0), x, idx, w)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
