@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one script for one device call (build, GPU tests, benchmarks).
-#   bash scripts/gpu_session.sh [tests|bench|all]
+# Everything that needs the GPU: build, GPU tests, benchmarks.
+#   bash scripts/gpu_session.sh tests     (about 5 min: build, GPU tests, Megatron check)
+#   bash scripts/gpu_session.sh bench     (about 9 min: every benchmark)
+# Run the two as two device calls (each call may take 600 s; BUDGET_S caps this script, default 570).
 # Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the device tool brings
 # back at most 8 files), default OUT=./gpu_out.
-# The megatron-core 0.19.2 wheel travels in .whl/ (see README "GPU runs"); without it the Megatron
-# parts skip themselves. Each step has its own time limit so one slow step cannot eat the call.
+# A machine without internet takes megatron-core (e.g. the 0.19.2 cp312 wheel) from .whl/ if present;
+# without it the Megatron parts skip themselves. Each step has its own time limit so one slow step cannot eat the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -17,15 +19,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, print the tail
+# One device command may run 600 s: every step also stops at the overall deadline.
+DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
+step() {  # step NAME SECONDS COMMAND...: run, log to $LOGS/NAME.log, print the tail
   local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS))
+  (( left < limit )) && limit=$left
+  (( limit < 10 )) && { echo "=== $name: skipped, out of time"; return 1; }
   echo "=== $name"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
   echo "--- $name: exit $? in $((SECONDS - t0)) s"
   tail -n "${TAIL:-12}" "$LOGS/$name.log"
 }
-# pip install -e would try to fetch setuptools there (no network): build in place instead.
+# pip install -e would try to fetch setuptools there (no network): build in place instead
+# (a warm machine keeps the build: setup.py rebuilds only what changed).
 step build 300 python3 setup.py build_ext --inplace || exit 1
 python3 -c "import torch, fp8a2a.ops; print(torch.__version__, torch.cuda.get_device_name())"
 mode=${1:-all}
