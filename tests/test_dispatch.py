@@ -263,3 +263,14 @@ def test_int32_ids_bf16_weights_and_no_grad():
     with torch.no_grad():
         out = d.dispatch(x, idx, w)
         assert not d.combine(out.dequantized(), out.handle).requires_grad
+
+
+def test_torchrun_suite_on_gloo():
+    """scripts/dist_suite.py is how multi-GPU machines run these scenarios (NCCL); keep it working."""
+    import subprocess
+    import sys
+    root = __file__.rsplit("/tests/", 1)[0]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          f"{root}/scripts/dist_suite.py"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "0 failed" in run.stdout
