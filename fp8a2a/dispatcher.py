@@ -255,17 +255,16 @@ class Dispatcher:
         if capacity:
             return self._forward_static(x, handle, send, counts, send_pos, recv_counts)
         # The one host sync of a dispatch: what we send and what we receive, in one copy.
-        host = (counts if self.local else torch.cat([counts, recv_counts])).cpu()
+        host = (counts if self.local else torch.cat([counts, recv_counts])).cpu().tolist()
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
             send, counts, send_pos = self._pack(x, handle, wire, scale)
         handle.wire, handle.send_pos, handle.recv_counts = wire, send_pos, recv_counts
-        handle.send_splits = mine[:, ops.ROWS].tolist()
-        handle.recv_splits = theirs[:, ops.ROWS].tolist()
-        per_expert = theirs[:, ops.COUNTS_HEADER:].sum(0)
-        handle.tokens_per_expert_list = per_expert.tolist()
-        handle.num_rows = int(per_expert.sum())
+        handle.send_splits = [row[ops.ROWS] for row in mine]
+        handle.recv_splits = [row[ops.ROWS] for row in theirs]
+        handle.tokens_per_expert_list = [sum(col) for col in zip(*(row[ops.COUNTS_HEADER:] for row in theirs))]
+        handle.num_rows = sum(handle.tokens_per_expert_list)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         hidden = x.shape[1] * elem if wire == ops.RAW else x.shape[1]
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire, hidden)
@@ -276,7 +275,7 @@ class Dispatcher:
         """Capacity mode: fixed splits and a fixed expert-major layout, so nothing is read on the host."""
         key = (tuple(x.shape), handle.topk_idx.shape[1], x.dtype)
         if key not in self._validated_shapes:  # once per new shape: the checks the sync would do
-            self._agree_on_wire(recv_counts.cpu(), x.shape[1], x.element_size())
+            self._agree_on_wire(recv_counts.cpu().tolist(), x.shape[1], x.element_size())
             if self.world > 1:  # static splits need the same tokens per rank everywhere
                 shape = torch.tensor(x.shape[:1], device=counts.device)
                 every = [torch.empty_like(shape) for _ in range(self.world)]
@@ -298,17 +297,18 @@ class Dispatcher:
         return data, scale_rows, weights, padded
 
     def _agree_on_wire(self, headers, hidden, elem):
-        """Check every rank's header (all ranks see all headers, so all raise together) and agree
-        on one wire format: FP8 if any rank packed FP8 (the size policy is local)."""
-        bad = headers[:, ops.BAD_IDS]
-        if bad.any():
+        """Check every rank's header (rows of the counts exchange, as lists: all ranks see all
+        headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
+        (the size policy is local)."""
+        bad = [row[ops.BAD_IDS] for row in headers]
+        if any(bad):
             raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "
-                             f"{bad.nonzero().flatten().tolist()} ({bad.tolist()} ids)")
-        topks = headers[:, ops.TOPK].tolist()
+                             f"{[r for r, b in enumerate(bad) if b]} ({bad} ids)")
+        topks = [row[ops.TOPK] for row in headers]
         if len(set(topks)) != 1:
             raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
-        wires = headers[:, ops.WIRE].tolist()
-        sizes = [s // elem if w == ops.RAW else s for s, w in zip(headers[:, ops.HIDDEN].tolist(), wires)]
+        wires = [row[ops.WIRE] for row in headers]
+        sizes = [row[ops.HIDDEN] // elem if w == ops.RAW else row[ops.HIDDEN] for row, w in zip(headers, wires)]
         if any(s != hidden for s in sizes):
             raise ValueError(f"fp8a2a: ranks use different hidden sizes: {sizes} (this rank: {hidden})")
         raw = [w == ops.RAW for w in wires]
