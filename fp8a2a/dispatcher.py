@@ -83,7 +83,7 @@ class Dispatcher:
     bf16_below_bytes:       size policy: smaller inputs are dispatched unquantized
     capacity_factor:        capacity mode (drop-and-pad, zero host syncs, static shapes, CUDA-graph
                             capturable): each expert takes at most ceil(factor * T * K / E)
-                            tokens from each source rank, dropping the lowest router weights;
+                            tokens from each source rank (Megatron's rounding), dropping the lowest router weights;
                             every local expert gets R * C rows, padding rows are zero
     always_communicate:     call the collectives even at group size 1 (exercises NCCL on one GPU);
                             by default a group of one skips them, like Megatron does
@@ -167,7 +167,7 @@ class Dispatcher:
         handle = DispatchHandle(self, topk_idx, topk_weights, send_pos=None, hidden=x.shape[1], dtype=x.dtype)
         if self.capacity_factor is not None:
             t, k = topk_idx.shape
-            c = max(1, math.ceil(self.capacity_factor * t * k / self.num_experts))
+            c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
             handle.expert_capacity, handle.rank_capacity = c, min(t, self.num_local_experts * c)
             topk_idx, handle.dropped = self._drop_to_capacity(topk_idx, topk_weights, c)
         if self.tp > 1:

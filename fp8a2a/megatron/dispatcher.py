@@ -172,21 +172,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _check_capacity(self, tokens):
-        """Megatron's router kept at most get_capacity(T * K, E, factor) slots per expert; the
-        Dispatcher's capacity mode computes its own capacity from the same numbers. They agree
-        unless float rounding differs at an exact integer; then say so (it would drop more)."""
-        key = ("capacity", tokens)
-        if key in _warned:
-            return
-        k, e, f = self.router_topk, self.num_experts, self.capacity_factor
-        megatron = math.ceil((tokens * k / e) * f)
-        ours = max(1, math.ceil(f * tokens * k / e))
-        if ours < megatron:
-            _warn_once(key, f"fp8a2a: capacity {ours} of the Dispatcher's capacity mode is below Megatron's "
-                            f"{megatron} for {tokens} tokens (float rounding); it may drop a few more slots")
-        _warned.add(key)
-
     def _shared(self, name, *args):
         fn = getattr(self.shared_experts, name, None) if self.shared_experts is not None else None
         if fn is not None:
@@ -202,8 +187,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         if self.strip_capacity_padding:
             routing_map = routing_map & (probs != 0)
-        if self.capacity_factor is not None:
-            self._check_capacity(routing_map.shape[0])
         idx, weights = routing_map_to_topk(routing_map, probs, self.router_topk)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(x.view(self.hidden_shape))
