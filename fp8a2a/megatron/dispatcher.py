@@ -36,7 +36,6 @@ capacity mode (static shapes, no host sync, every local expert gets R x capacity
 zero with weight 0: the shapes and results of Megatron's alltoall drop-and-pad); the router's own
 padding slots (probability 0) are never sent.
 """
-import math
 import warnings
 from typing import Optional
 
