@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fp8a2a  # noqa: E402
 from fp8a2a import ops  # noqa: E402
-from fp8a2a.timing import cuda_median_ms  # noqa: E402
+from fp8a2a.timing import capture_cuda_graph, cuda_median_ms  # noqa: E402
 
 POINTS = [dict(tokens=4096, hidden=7168, experts=256, topk=8), dict(tokens=128, hidden=7168, experts=256, topk=8)]
 
@@ -121,15 +121,7 @@ def bench_point(p):
 
     # Capacity mode replayed from a CUDA graph (zero host syncs, static shapes).
     cap_step = dispatch_combine_step(fp8a2a.Dispatcher(e, capacity_factor=2.0), x, idx, w)
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        cap_step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cap_step()
+    graph, _ = capture_cuda_graph(cap_step)
     res["fp8_capacity_eager_ms"] = cuda_median_ms(cap_step)
     res["fp8_capacity_graph_ms"] = cuda_median_ms(graph.replay)
     res["fp8_capacity_graph_host_ms"] = host_time(graph.replay)

@@ -31,7 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fp8a2a  # noqa: E402
 from fp8a2a.bench import MegatronStyleAlltoAll, make_routing, percentile  # noqa: E402
-from fp8a2a.timing import cuda_median_ms  # noqa: E402
+from fp8a2a.timing import capture_cuda_graph, cuda_median_ms  # noqa: E402
 
 TARGET_SPEEDUP = 1.8
 # name: (tokens per rank, experts, top-k, hidden, expert ffn)
@@ -262,18 +262,11 @@ def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
                 return paths.fp8()[1]
         return run
 
-    def capture(fn):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
+    def clear_grads():
         p_cap.fc1.grad = p_cap.fc2.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph
+
+    def capture(fn):
+        return capture_cuda_graph(fn, warmup=3, before_capture=clear_grads)[0]
 
     try:
         res["eager_ms"] = cuda_median_ms(step(p), iters)

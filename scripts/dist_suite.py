@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp8a2a  # noqa: E402
+from fp8a2a.timing import capture_cuda_graph  # noqa: E402
 from tests.test_dispatch import BASE, CASES, make_inputs, scenario  # noqa: E402
 
 
@@ -43,14 +44,7 @@ def graph_replay(rank, world):
         return d.combine(out.dequantized() * 2, out.handle)
 
     step()  # validates the shape once (the only sync of capacity mode)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = step()
+    graph, y = capture_cuda_graph(step)
     for src, dst in zip((t[rank].cuda() for t in step_inputs[1]), (sx, sidx, sw)):
         dst.copy_(src)
     graph.replay()

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fp8a2a
+from fp8a2a.timing import capture_cuda_graph
 
 from .test_dispatch import BASE, CASES, make_inputs, scenario
 
@@ -63,14 +64,7 @@ def test_capacity_mode_has_no_host_sync_and_replays_from_a_cuda_graph(nccl_world
 
     # Capture one step on static buffers, replay it on new values.
     sx, sidx, sw = x.clone(), idx.clone(), w.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _capacity_step(d, sx, sidx, sw)  # warm-up on the side stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y, static_dropped = _capacity_step(d, sx, sidx, sw)
+    graph, (static_y, static_dropped) = capture_cuda_graph(lambda: _capacity_step(d, sx, sidx, sw))
     xs2, idxs2, ws2 = make_inputs(1, 256, 1024, 32, 4, torch.bfloat16, seed=7)
     sx.copy_(xs2[0].cuda()), sidx.copy_(idxs2[0].cuda()), sw.copy_(ws2[0].cuda())
     graph.replay()
