@@ -2,6 +2,10 @@
 # Everything that needs the GPU: build, GPU tests, benchmarks.
 #   bash scripts/gpu_session.sh tests     (about 5 min: build, GPU tests, Megatron check)
 #   bash scripts/gpu_session.sh bench     (about 9 min: every benchmark)
+#   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL test suite and the all-to-all sweep on all of them)
+#   bash scripts/gpu_session.sh conv      (convergence runs, seeds $CONV_SEEDS (default "1 2"); on a machine of
+#                                          several GPUs they run on the last GPU beside the other modes)
+#   modes combine: bash scripts/gpu_session.sh tests,multi
 # Run the two as two device calls (each call may take 600 s; BUDGET_S caps this script, default 570).
 # Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the device tool brings
 # back at most 8 files), default OUT=./gpu_out.
@@ -36,15 +40,35 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $LOGS/NAME.log, print the 
 # (a warm machine keeps the build: setup.py rebuilds only what changed).
 step build 300 python3 setup.py build_ext --inplace || exit 1
 python3 -c "import torch, fp8a2a.ops; print(torch.__version__, torch.cuda.get_device_name())"
-mode=${1:-all}
-if [[ $mode == tests || $mode == all ]]; then
+mode=,${1:-tests,bench},
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+conv() {  # one convergence run per seed: the four variants, identical data order and init within a seed
+  local budget=$(( (DEADLINE - SECONDS - 30) / ${#CONV_SEEDS_A[@]} ))
+  for seed in "${CONV_SEEDS_A[@]}"; do
+    step "convergence_seed$seed" $((budget + 20)) python3 scripts/train_convergence.py --seed "$seed" --quiet \
+      --runs bf16,fp8_row,fp8_block128,fp8_row_fp8mlp --time-budget "$budget" --out "$LOGS/convergence_seed$seed"
+  done
+}
+read -ra CONV_SEEDS_A <<< "${CONV_SEEDS:-1 2}"
+if [[ $mode == *,multi,* ]] && (( NGPU > 1 )); then
+  step dist_suite 180 torchrun --standalone --nproc-per-node "$NGPU" scripts/dist_suite.py
+  (( NGPU >= 4 )) && step dist_suite_tp2 120 torchrun --standalone --nproc-per-node 4 scripts/dist_suite.py --tp 2
+  step bench_multi 300 torchrun --standalone --nproc-per-node "$NGPU" -m fp8a2a.bench --quiet \
+    --out "$LOGS/multi" --json "$LOGS/multi/alltoall_ep$NGPU.json"
+fi
+conv_pid=
+if [[ $mode == *,conv,* ]]; then
+  if (( NGPU > 1 )); then (export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); conv) & conv_pid=$!
+  else conv; fi
+fi
+if [[ $mode == *,tests,* ]]; then
   step check_cuda_ops 120 python3 scripts/check_cuda_ops.py
   step pytest_gpu 420 python3 -m pytest -q -x tests/test_dispatch_cuda.py tests/test_ops.py tests/test_experts.py \
     tests/test_dispatch.py -k "cuda or gpu or CUDA or single_process"
   step megatron_check 180 python3 scripts/gpu_megatron_check.py
   step pytest_megatron 240 python3 -m pytest -q tests/test_megatron.py   # megatron-core 0.19.2 here
 fi
-if [[ $mode == bench || $mode == all ]]; then
+if [[ $mode == *,bench,* ]]; then
   step bench_kernels 120 python3 scripts/bench_kernels.py --json "$LOGS/kernels.json"
   step bench_dispatch 120 python3 scripts/bench_dispatch.py --json "$LOGS/dispatch.json"
   step bench_experts 180 python3 scripts/bench_experts.py --json "$LOGS/experts.json"
@@ -52,3 +76,4 @@ if [[ $mode == bench || $mode == all ]]; then
   step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
   step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels.json"
 fi
+[[ -n $conv_pid ]] && wait "$conv_pid"
