@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL test suite and the all-to-all sweep on all of them)
 #   bash scripts/gpu_session.sh conv      (convergence runs, seeds $CONV_SEEDS (default "1 2"); on a machine of
 #                                          several GPUs they run on the last GPU beside the other modes)
+#   bash scripts/gpu_session.sh profile   (torch-profiler tables: scripts/profile_gpu.py)
 #   modes combine: bash scripts/gpu_session.sh tests,multi
 # Run the two as two device calls (each call may take 600 s; BUDGET_S caps this script, default 570).
 # Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the device tool brings
@@ -63,10 +64,16 @@ if [[ $mode == *,conv,* ]]; then
 fi
 if [[ $mode == *,tests,* ]]; then
   step check_cuda_ops 120 python3 scripts/check_cuda_ops.py
-  step pytest_gpu 420 python3 -m pytest -q -x tests/test_dispatch_cuda.py tests/test_ops.py tests/test_experts.py \
+  step pytest_gpu 420 python3 -m pytest -q tests/test_dispatch_cuda.py tests/test_ops.py tests/test_experts.py \
     tests/test_dispatch.py -k "cuda or gpu or CUDA or single_process"
   step megatron_check 180 python3 scripts/gpu_megatron_check.py
-  step pytest_megatron 240 python3 -m pytest -q tests/test_megatron.py   # megatron-core 0.19.2 here
+  step train_moe_megatron 120 python3 scripts/train_moe_megatron.py --steps 200
+  step train_moe_megatron_fp8_experts 120 python3 scripts/train_moe_megatron.py --steps 200 --fp8-experts
+  # the CPU (gloo, forked ranks) Megatron suite against megatron-core 0.19.2: CUDA hidden, as on a CPU machine
+  CUDA_VISIBLE_DEVICES= step pytest_megatron 240 python3 -m pytest -q tests/test_megatron.py
+fi
+if [[ $mode == *,profile,* ]]; then
+  TAIL=200 step profile 240 python3 scripts/profile_gpu.py
 fi
 if [[ $mode == *,bench,* ]]; then
   step bench_kernels 120 python3 scripts/bench_kernels.py --json "$LOGS/kernels.json"

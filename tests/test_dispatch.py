@@ -92,7 +92,7 @@ def scenario(rank, world, cfg):
 
     # Experts: expert e scales its rows by (e + 1); combine; loss = <y, G>. With expert TP each TP
     # rank returns a partial (shares (j + 1) / sum(1..tp)) that combine must sum.
-    local = torch.repeat_interleave(torch.arange(d.num_local_experts), out.tokens_per_expert)
+    local = torch.repeat_interleave(torch.arange(d.num_local_experts), out.tokens_per_expert.cpu())
     share = 2.0 * (tp_rank + 1) / (tp * (tp + 1))
     factor = ((ep_rank * d.num_local_experts + local + 1) * share).to(rows.dtype).unsqueeze(1)
     rows_dev = out.dequantized(torch.float32)  # differentiable (straight-through to x)
