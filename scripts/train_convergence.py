@@ -23,6 +23,7 @@ run relative to bf16.
 
   python scripts/train_convergence.py --out results                  # GPU, default config
   python scripts/train_convergence.py --device cpu --tiny --steps 20  # CPU smoke
+  python scripts/train_convergence.py --merge DIR_SEED1 DIR_SEED2 --out results  # several seeds -> one result
 """
 import argparse
 import csv
@@ -385,31 +386,124 @@ def summarize(rows, stats, names):
     return step, out
 
 
-def plot(rows, names, path, step):
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["run", "step", "train_loss", "val_loss"])
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(run=r["run"], step=r["step"], train_loss=f"{r['train_loss']:.5f}",
+                            val_loss=f"{r['val_loss']:.5f}"))
+
+
+def read_csv(path):
+    with open(path) as f:
+        return [dict(run=r["run"], step=int(r["step"]), train_loss=float(r["train_loss"]),
+                     val_loss=float(r["val_loss"])) for r in csv.DictReader(f)]
+
+
+def plot(rows, names, path, groups=None):
+    """Loss curves (val solid, train faint), the val curves zoomed on the last quarter of the steps, and
+    each run's val loss relative to its reference. groups: run -> (variant, seed label or None, reference
+    run); one colour per variant, one line style per seed. Default: every run its own variant vs bf16."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ref = {r["step"]: r["val_loss"] for r in rows if r["run"] == "bf16"}
+    groups = groups or {n: (n, None, "bf16") for n in names}
+    variants = list(dict.fromkeys(g[0] for g in groups.values()))
+    seeds = list(dict.fromkeys(g[1] for g in groups.values()))
+    styles = ["-", "--", ":", "-."]
+    by = {n: [r for r in rows if r["run"] == n] for n in names}
+    last = max((r["step"] for r in rows), default=0)
+    fig, (a, z, b) = plt.subplots(1, 3, figsize=(17, 4.8))
+    zoom = []
     for n in names:
-        rr = [r for r in rows if r["run"] == n]
-        s = [r["step"] for r in rr]
-        line, = a.plot(s, [r["val_loss"] for r in rr], label=f"{n} (val)")
-        a.plot(s, [r["train_loss"] for r in rr], color=line.get_color(), alpha=0.35, lw=0.8)
-        if ref and n != "bf16":
+        variant, seed, ref_run = groups[n]
+        kw = dict(color=f"C{variants.index(variant) % 10}", ls=styles[seeds.index(seed) % len(styles)])
+        rr, label = by[n], variant if seed is None else f"{variant}, seed {seed}"
+        s, v = [r["step"] for r in rr], [r["val_loss"] for r in rr]
+        a.plot(s, v, label=label, **kw)
+        a.plot(s, [r["train_loss"] for r in rr], alpha=0.3, lw=0.8, **kw)
+        zs = [(x, y) for x, y in zip(s, v) if x >= 0.75 * last]
+        z.plot([p[0] for p in zs], [p[1] for p in zs], marker=".", ms=3, label=label, **kw)
+        zoom += [p[1] for p in zs]
+        ref = {r["step"]: r["val_loss"] for r in by.get(ref_run, [])}
+        if ref and n != ref_run:
             pts = [(r["step"], 100 * (r["val_loss"] / ref[r["step"]] - 1)) for r in rr if r["step"] in ref]
-            b.plot([p[0] for p in pts], [p[1] for p in pts], color=line.get_color(), label=n)
+            b.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **kw)
     a.set_xlabel("step"), a.set_ylabel("loss (nats/byte)"), a.set_title("validation (solid) and train (faint) loss")
     a.set_ylim(top=min(a.get_ylim()[1], 3.0))
-    a.legend(), a.grid(alpha=0.3)
+    a.legend(fontsize=7), a.grid(alpha=0.3)
+    if zoom:
+        pad = 0.05 * (max(zoom) - min(zoom)) + 1e-4
+        z.set_ylim(min(zoom) - pad, max(zoom) + pad)
+    z.set_xlabel("step"), z.set_ylabel("val loss (nats/byte)"), z.set_title("validation loss, last quarter")
+    z.legend(fontsize=7), z.grid(alpha=0.3)
     b.axhspan(-100 * TARGET_REL, 100 * TARGET_REL, color="green", alpha=0.1, label="±0.5% target")
     b.axhline(0, color="k", lw=0.8)
-    b.set_xlabel("step"), b.set_ylabel("val loss vs bf16 (%)"), b.set_title("relative to BF16 dispatch")
+    b.set_xlabel("step"), b.set_ylabel("val loss vs bf16 (%)")
+    b.set_title("relative to BF16 dispatch" + (" of the same seed" if len(seeds) > 1 else ""))
     b.set_ylim(-3, 3)
-    b.legend(), b.grid(alpha=0.3)
+    b.legend(fontsize=7), b.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def merge(dirs, out, no_plot=False):
+    """One result set from several per-seed runs of this script (each dir: convergence.csv and
+    convergence_summary.json). Runs of the first dir keep their names, the others get _seed<config.seed>.
+    Every run is compared with the bf16 run of its own seed (summarize); per variant, the mean of those
+    relative final val losses over the seeds; the bf16 seed-to-seed spread is the noise level."""
+    rows, per_seed, groups, variants = [], {}, {}, {}
+    for k, d in enumerate(dirs):
+        meta = json.load(open(os.path.join(d, "convergence_summary.json")))
+        seed, seed_rows = meta["config"]["seed"], read_csv(os.path.join(d, "convergence.csv"))
+        if str(seed) in per_seed:
+            raise ValueError(f"{d}: seed {seed} appears twice")
+        names = list(dict.fromkeys(r["run"] for r in seed_rows))
+        step, summary = summarize(seed_rows, meta["runs"], names)
+        suffix = "" if k == 0 else f"_seed{seed}"
+        rows += [dict(r, run=r["run"] + suffix) for r in seed_rows]
+        groups.update({n + suffix: (n, seed, "bf16" + suffix) for n in names})
+        for n in names:
+            variants.setdefault(n, {})[str(seed)] = summary[n]
+        per_seed[str(seed)] = dict(dir=d, run_suffix=suffix, compared_at_step=step, steps=meta.get("steps"),
+                                   device=meta.get("device"), torch=meta.get("torch"), config=meta["config"],
+                                   runs=summary)
+    mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
+    table = {}
+    for n, by_seed in variants.items():
+        rel = {s: v["rel_to_bf16"] for s, v in by_seed.items()}
+        m = mean(list(rel.values()))
+        table[n] = dict(val_loss={s: v["val_loss"] for s, v in by_seed.items()}, rel_to_bf16=rel,
+                        mean_rel_to_bf16=m, within_target_mean=(abs(m) <= TARGET_REL) if m is not None else None)
+    ref = table["bf16"]["val_loss"]
+    first = next(iter(ref.values()))
+    spread = dict(val_loss=ref, rel_to_first_seed={s: v / first - 1.0 for s, v in ref.items()},
+                  max_over_min=max(ref.values()) / min(ref.values()) - 1.0)
+    merged = dict(merged_from=list(dirs), seeds=[int(s) for s in per_seed], target_rel=TARGET_REL,
+                  headline="final val loss on the whole held-out split, vs the bf16 run of the same seed",
+                  variants=table, bf16_seed_spread=spread, per_seed=per_seed)
+    os.makedirs(out, exist_ok=True)
+    write_csv(rows, os.path.join(out, "convergence.csv"))
+    with open(os.path.join(out, "convergence_summary.json"), "w") as f:
+        json.dump(merged, f, indent=2)
+    if not no_plot:
+        try:
+            plot(rows, list(groups), os.path.join(out, "convergence.png"), groups)
+        except ImportError:
+            print("matplotlib missing: no plot")
+    pct = lambda r: "n/a" if r is None else f"{100 * r:+.2f}%"  # noqa: E731
+    seeds = list(per_seed)
+    print("final val loss vs bf16 of the same seed (whole held-out split)")
+    print("| run | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | mean within 0.5% |")
+    print("| --- |" + " --- |" * (len(seeds) + 2))
+    for n, t in table.items():
+        print(f"| {n} | " + " | ".join(pct(t["rel_to_bf16"].get(s)) for s in seeds)
+              + f" | {pct(t['mean_rel_to_bf16'])} | {t['within_target_mean']} |")
+    print(f"bf16 seed-to-seed spread (max/min - 1): {pct(spread['max_over_min'])}")
+    print(f"wrote {out}/convergence.csv, convergence_summary.json" + ("" if no_plot else ", convergence.png"))
+    return merged
 
 
 def main(argv=None):
@@ -426,9 +520,14 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="train nothing: merge the per-seed outputs in these dirs (first dir's runs keep their names, "
+                        "the others get _seed<N>) into --out")
     for f in FIELDS:
         p.add_argument("--" + f.replace("_", "-"), type=type(getattr(Config, f)), default=None)
     a = p.parse_args(argv)
+    if a.merge:
+        return merge(a.merge, a.out, a.no_plot)
 
     cfg = Config(**(TINY if a.tiny else {}))
     for f in FIELDS:
@@ -479,11 +578,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     step, summary = summarize(rows, stats, names)
 
-    with open(os.path.join(a.out, "convergence.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["run", "step", "train_loss", "val_loss"])
-        w.writeheader()
-        for r in rows:
-            w.writerow(dict(r, train_loss=f"{r['train_loss']:.5f}", val_loss=f"{r['val_loss']:.5f}"))
+    write_csv(rows, os.path.join(a.out, "convergence.csv"))
     meta = dict(config=asdict(cfg), steps_requested=a.steps, steps=steps, note=note, device=dev_name,
                 torch=torch.__version__, fp8a2a=fp8a2a.__version__, corpus=corpus, target_rel=TARGET_REL,
                 compared_at_step=step, total_wall_s=round(time.perf_counter() - t_start, 1),
@@ -494,7 +589,7 @@ def main(argv=None):
         json.dump(meta, f, indent=2)
     if not a.no_plot:
         try:
-            plot(rows, names, os.path.join(a.out, "convergence.png"), step)
+            plot(rows, names, os.path.join(a.out, "convergence.png"))
         except ImportError:
             log("matplotlib missing: no plot")
 

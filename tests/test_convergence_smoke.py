@@ -57,3 +57,35 @@ def test_training_with_fp8_dispatch_converges(tc, tmp_path):
         s = meta["runs"][run]
         assert s["steps"] == steps and not s["truncated"]
         assert abs(s["rel_to_bf16"]) < 0.05, (run, s["rel_to_bf16"])  # a loose bound at 30 steps
+
+
+def test_merge_seeds(tc, tmp_path):
+    """--merge: the first dir's runs keep their names, the others get _seed<N>; each run is compared with
+    the bf16 run of its own seed, then averaged over the seeds."""
+    final = {1: dict(bf16=1.0, fp8_row=1.004), 5: dict(bf16=1.02, fp8_row=1.02 * 0.998)}
+    dirs = []
+    for seed, losses in final.items():
+        d = tmp_path / f"seed{seed}"
+        d.mkdir()
+        rows = [dict(run=n, step=s, train_loss=v + 1 / s, val_loss=v + 2 / s) for n, v in losses.items()
+                for s in (10, 20, 30)]
+        tc.write_csv(rows, d / "convergence.csv")
+        runs = {n: dict(steps=30, final_val_loss_full=v) for n, v in losses.items()}
+        (d / "convergence_summary.json").write_text(json.dumps(dict(config=dict(seed=seed), steps=30, runs=runs)))
+        dirs.append(str(d))
+    out = tmp_path / "merged"
+    merged = tc.main(["--merge", *dirs, "--out", str(out)])
+    with open(out / "convergence.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["run", "step", "train_loss", "val_loss"]
+    assert list(dict.fromkeys(r["run"] for r in rows)) == ["bf16", "fp8_row", "bf16_seed5", "fp8_row_seed5"]
+    assert [int(r["step"]) for r in rows if r["run"] == "fp8_row_seed5"] == [10, 20, 30]
+    on_disk = json.loads((out / "convergence_summary.json").read_text())
+    assert on_disk["seeds"] == [1, 5] and on_disk["per_seed"]["5"]["run_suffix"] == "_seed5"
+    v = on_disk["variants"]["fp8_row"]
+    assert v["rel_to_bf16"]["1"] == pytest.approx(0.004) and v["rel_to_bf16"]["5"] == pytest.approx(-0.002)
+    assert v["mean_rel_to_bf16"] == pytest.approx(0.001) and v["within_target_mean"] is True
+    assert on_disk["bf16_seed_spread"]["max_over_min"] == pytest.approx(0.02)
+    assert merged["variants"]["fp8_row"]["mean_rel_to_bf16"] == pytest.approx(0.001)
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "convergence.png").stat().st_size > 0
