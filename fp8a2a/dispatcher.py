@@ -49,7 +49,7 @@ class DispatchHandle:
     hidden: int = 0
     dtype: torch.dtype = torch.bfloat16
     wire: int = 0  # granularity code on the wire (ops.RAW when sent unquantized)
-    tokens_per_expert_list: List[int] = field(default_factory=list)  # host copy, no extra sync
+    recv_counts_host: List[List[int]] = field(default_factory=list)  # recv_counts as read by the one sync
     weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
     tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
     rank_capacity: int = 0  # capacity mode: rows per destination rank segment (0: compact)
@@ -57,6 +57,15 @@ class DispatchHandle:
     dropped: Optional[torch.Tensor] = None  # capacity mode: slots dropped on this rank (device)
     invalid_ids: Optional[torch.Tensor] = None  # capacity mode: out-of-range ids seen (device)
     tokens_received: Optional[torch.Tensor] = None  # capacity mode: real rows per local expert
+
+    @property
+    def tokens_per_expert_list(self) -> List[int]:
+        """Rows per local expert on the host (no extra sync); built on demand: a Python sum over
+        ranks x experts costs tens of microseconds at 256 experts."""
+        if self.expert_capacity:  # capacity mode: every expert holds its padded rows
+            d = self.dispatcher
+            return [d.world * self.expert_capacity] * d.num_local_experts
+        return [sum(col) for col in zip(*(row[ops.COUNTS_HEADER:] for row in self.recv_counts_host))]
 
 
 @dataclass
@@ -263,8 +272,8 @@ class Dispatcher:
         handle.wire, handle.send_pos, handle.recv_counts = wire, send_pos, recv_counts
         handle.send_splits = [row[ops.ROWS] for row in mine]
         handle.recv_splits = [row[ops.ROWS] for row in theirs]
-        handle.tokens_per_expert_list = [sum(col) for col in zip(*(row[ops.COUNTS_HEADER:] for row in theirs))]
-        handle.num_rows = sum(handle.tokens_per_expert_list)
+        handle.recv_counts_host = theirs
+        handle.num_rows = sum(sum(row[ops.COUNTS_HEADER:]) for row in theirs)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         hidden = x.shape[1] * elem if wire == ops.RAW else x.shape[1]
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire, hidden)
@@ -288,7 +297,6 @@ class Dispatcher:
         handle.send_splits = handle.recv_splits = [handle.rank_capacity] * self.world
         rows_per_expert = self.world * handle.expert_capacity
         handle.num_rows = self.num_local_experts * rows_per_expert
-        handle.tokens_per_expert_list = [rows_per_expert] * self.num_local_experts
         handle.invalid_ids = counts[0, ops.BAD_IDS]
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, self.code, x.shape[1])
@@ -371,10 +379,15 @@ class _CombineFn(torch.autograd.Function):
         recv = d._exchange(send, h.send_splits, h.recv_splits)
         hidden = h.hidden * grad_y.element_size() if wire == ops.RAW else h.hidden
         data, scale, _, _, _, _ = d._unpack(recv, h, wire, hidden)
-        g = data.view(h.dtype).view(h.num_rows, h.hidden).float() if wire == ops.RAW else \
-            ops.dequantize(data, scale, torch.float32)
-        if weights is None:
-            return g.to(h.dtype), None, None
-        grad_out = (g * weights.detach().unsqueeze(1)).to(h.dtype)
-        grad_w = (g * expert_out.float()).sum(1) if ctx.needs_input_grad[1] else None
+        raw = wire == ops.RAW
+        g = data.view(h.dtype).view(h.num_rows, h.hidden) if raw else None
+        if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
+            return (g if raw else ops.dequantize(data, scale, h.dtype)), None, None
+        w = weights.detach()
+        # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
+        grad_out = (g.float() * w.unsqueeze(1)).to(h.dtype) if raw else ops.dequantize(data, scale * w, h.dtype)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            gf = g.float() if raw else ops.dequantize(data, scale, torch.float32)
+            grad_w = (gf * expert_out.float()).sum(1)
         return grad_out, grad_w, None

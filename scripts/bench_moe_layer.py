@@ -85,6 +85,10 @@ class Paths:
         self.gy = (torch.randn(T, H, generator=g) * 0.01).to(device=device, dtype=torch.bfloat16)
         self.mlp = _grouped_mlp_class()(L, H, Fh, "swiglu", backend=fp8_backend, device=device)
         self.fc1, self.fc2 = self.mlp.fc1_weight, self.mlp.fc2_weight
+        # the same experts with FP8 input-gradient GEMMs (FP8GroupedMLP(fp8_dgrad=True)), shared weights
+        self.mlp_fp8_dgrad = _grouped_mlp_class()(L, H, Fh, "swiglu", backend=fp8_backend, fp8_dgrad=True,
+                                                  device="meta")
+        self.mlp_fp8_dgrad.fc1_weight, self.mlp_fp8_dgrad.fc2_weight = self.fc1, self.fc2
         self.disp = fp8a2a.Dispatcher(E, group)
         self.replica = MegatronStyleAlltoAll(E, group)
         self.megatron = None
@@ -97,11 +101,14 @@ class Paths:
         self.fc1.grad = self.fc2.grad = None
         self.w.grad = self.probs.grad = None
 
-    def fp8(self, backward=True):
+    def fp8(self, backward=True, mlp=None):
         x = self._x()
         out = self.disp.dispatch(x, self.idx, self.w)
-        h = self.mlp(out.tokens, out.tokens_per_expert, router_weights=out.weights)
+        h = (mlp or self.mlp)(out.tokens, out.tokens_per_expert, router_weights=out.weights)
         return x, self.disp.combine(h, out.handle, apply_weights=False)
+
+    def fp8_dgrad(self, backward=True):
+        return self.fp8(backward, self.mlp_fp8_dgrad)
 
     def replica_bf16(self, backward=True):
         x = self._x()
@@ -331,7 +338,7 @@ def run(args):
             rec["skipped"] = str(e)
             result["shapes"][name] = rec
             continue
-        names = ["fp8", "replica_bf16"]
+        names = ["fp8", "fp8_dgrad", "replica_bf16"]
         if cuda and args.megatron:
             paths.megatron, why = make_megatron_dispatcher(shape, world)
             if paths.megatron is None:
@@ -355,6 +362,8 @@ def run(args):
             rec["speedup_fwd_bwd"] = rec[base]["fwd_bwd_ms"] / rec["fp8"]["fwd_bwd_ms"]
             rec["speedup_fwd"] = rec[base]["fwd_ms"] / rec["fp8"]["fwd_ms"]
             rec["rel_err_vs_bf16"] = rel_err(paths, "fp8", base)
+        if "fp8_dgrad" in names and base in names:
+            rec["speedup_fwd_bwd_fp8_dgrad"] = rec[base]["fwd_bwd_ms"] / rec["fp8_dgrad"]["fwd_bwd_ms"]
         if "fp8" in names and "replica_bf16" in names:
             rec["speedup_fwd_bwd_vs_replica"] = rec["replica_bf16"]["fwd_bwd_ms"] / rec["fp8"]["fwd_bwd_ms"]
         result["shapes"][name] = rec
@@ -401,7 +410,7 @@ def format_table(res):
             lines.append(f"{head} | skipped: {r['skipped']}")
             continue
         first = True
-        for path in ("megatron_bf16", "replica_bf16", "fp8"):
+        for path in ("megatron_bf16", "replica_bf16", "fp8", "fp8_dgrad"):
             t = r.get(path)
             if t is None:
                 continue
@@ -415,7 +424,8 @@ def format_table(res):
         extra = f" (vs replica_bf16 {_f(r.get('speedup_fwd_bwd_vs_replica'))}x)" \
             if r.get("baseline") == "megatron_bf16" else ""
         lines.append(f"{' ' * len(head)} | speedup vs {r.get('baseline', '-')}: fwd+bwd {_f(r.get('speedup_fwd_bwd'))}x"
-                     f"{extra}, fwd {_f(r.get('speedup_fwd'))}x; output rel. error vs BF16 "
+                     f"{extra}, fwd {_f(r.get('speedup_fwd'))}x, fwd+bwd with fp8_dgrad "
+                     f"{_f(r.get('speedup_fwd_bwd_fp8_dgrad'))}x; output rel. error vs BF16 "
                      f"{_f(r.get('rel_err_vs_bf16'), '.4f')}")
     t = res["target"]
     lines.append(f"target: >= {t['target']}x forward+backward at {t['shape']} (one GPU, world size 1): "
