@@ -218,20 +218,21 @@ class Dispatcher:
 
     def _drop_to_capacity(self, topk_idx, topk_weights, capacity):
         """Keep, per expert, the `capacity` slots of this rank with the highest router weight (ties:
-        earlier token). Dropped slots become -1. Static shapes, no host sync."""
+        earlier token). Dropped slots become -1. Static shapes, no host sync, one sort: the key is
+        (expert, weight descending) in one int64, so a stable sort keeps token order among ties."""
         e_count = self.num_experts
         valid = (topk_idx >= 0) & (topk_idx < e_count)
         expert = torch.where(valid, topk_idx, e_count).flatten().long()
-        score = torch.where(valid, topk_weights.detach().float(), float("-inf")).flatten()
-        by_weight = torch.argsort(score, descending=True, stable=True)
-        perm = by_weight[torch.argsort(expert[by_weight], stable=True)]  # by expert, then weight
-        sizes = torch.zeros(e_count + 1, dtype=torch.long, device=expert.device).scatter_add_(
-            0, expert, torch.ones_like(expert))
-        starts = torch.cumsum(sizes, 0) - sizes
-        rank_in_expert = torch.arange(expert.numel(), device=expert.device) - starts[expert[perm]]
-        keep = torch.empty_like(valid.flatten()).scatter_(0, perm, rank_in_expert < capacity).view_as(valid)
-        dropped = (valid & ~keep).sum()
-        return torch.where(valid & ~keep, -1, topk_idx), dropped
+        bits = topk_weights.detach().float().contiguous().view(torch.int32).flatten()
+        ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # float order as a signed int
+        key = (expert << 33) + ((1 << 31) - 1 - ordered)  # larger weight, smaller key
+        sorted_key, perm = torch.sort(key, stable=True)
+        sorted_expert = sorted_key >> 33
+        first = torch.searchsorted(sorted_expert, sorted_expert)  # first slot of each slot's expert
+        kept = (torch.arange(key.numel(), device=key.device) - first) < capacity
+        keep = torch.empty_like(kept).scatter_(0, perm, kept).view_as(valid)
+        drop = valid & ~keep
+        return torch.where(drop, -1, topk_idx), drop.sum()
 
     def _tensor_scale(self, x):
         if self.tensor_scale is not None:

@@ -8,7 +8,7 @@
 #   bash scripts/gpu_session.sh profile   (torch-profiler tables: scripts/profile_gpu.py)
 #   modes combine: bash scripts/gpu_session.sh tests,multi
 # Run the two as two device calls (each call may take 600 s; BUDGET_S caps this script, default 570).
-# Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the device tool brings
+# SKIP="name ..." leaves those steps out. Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the device tool brings
 # back at most 8 files), default OUT=./gpu_out.
 # A machine without internet takes megatron-core (e.g. the 0.19.2 cp312 wheel) from .whl/ if present;
 # without it the Megatron parts skip themselves. Each step has its own time limit so one slow step cannot eat the call.
@@ -28,6 +28,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 DEADLINE=$((SECONDS + ${BUDGET_S:-570}))
 step() {  # step NAME SECONDS COMMAND...: run, log to $LOGS/NAME.log, print the tail
   local name=$1 limit=$2; shift 2
+  [[ " ${SKIP:-} " == *" $name "* ]] && { echo "=== $name: skipped (SKIP)"; return 0; }
   local left=$((DEADLINE - SECONDS))
   (( left < limit )) && limit=$left
   (( limit < 10 )) && { echo "=== $name: skipped, out of time"; return 1; }
