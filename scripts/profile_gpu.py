@@ -8,6 +8,7 @@ the DeepSeek-V3 shape of scripts/bench_moe_layer.py, kernels by GPU time.
 experts: FP8GroupedMLP forward + backward at 8 experts x 2048 rows, 7168 -> 2048 (default and
 fp8_dgrad), kernels by GPU time.
 pack_host: the host side of dispatch_pack at 256 x 4096 (CPU time per runtime call and op).
+dispatch_host: Python's own profile (cProfile) of dispatch + combine at 128 tokens, world size 1.
 """
 import os
 import sys
@@ -75,6 +76,32 @@ def pack_host():
             ops.dispatch_pack(x, idx, w, E, R, row, None)
     print("== dispatch_pack host side, 256 x 4096, 150 calls (CPU time)\n"
           + table(calls, sort="self_cpu_time_total", cpu_only=True))
+
+
+def dispatch_host():
+    import cProfile
+    import pstats
+    import time
+    T, H, E, K = 128, 7168, 256, 8
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+    w = torch.rand(T, K, device="cuda")
+    d = fp8a2a.Dispatcher(E, bf16_below_bytes=0)
+    expert_out = torch.randn(d.dispatch(x, idx, w).handle.num_rows, H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        d.combine(expert_out, d.dispatch(x, idx, w).handle)
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        step()
+    torch.cuda.synchronize()
+    print(f"== dispatch + combine at {T} tokens: {(time.perf_counter() - t0) / 200 * 1e6:.0f} us per step (host)")
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [step() for _ in range(200)])
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -463,14 +463,22 @@ def test_fp8_experts_spec_swaps_only_the_experts():
     from fp8a2a.megatron.experts import fp8_expert_classes
     fp8_seq = fp8_expert_classes()[SequentialMLP]
     out = fm.fp8_experts_spec(spec)
-    assert isinstance(out, ModuleSpec) and out.module is spec.module
-    assert out.submodules.experts.module is fp8_seq and issubclass(fp8_seq, SequentialMLP)
-    assert out.submodules.experts.submodules is spec.submodules.experts.submodules
-    assert out.submodules.shared_experts is spec.submodules.shared_experts
-    assert spec.submodules.experts.module is SequentialMLP  # the input is not modified
-    assert fm.fp8_experts_spec(out).submodules.experts.module is fp8_seq  # idempotent
+    assert issubclass(fp8_seq, SequentialMLP)
+    if isinstance(spec, ModuleSpec):  # megatron-core 0.16: ModuleSpec trees
+        assert isinstance(out, ModuleSpec) and out.module is spec.module
+        assert out.submodules.experts.module is fp8_seq
+        assert out.submodules.experts.submodules is spec.submodules.experts.submodules
+        assert out.submodules.shared_experts is spec.submodules.shared_experts
+        assert spec.submodules.experts.module is SequentialMLP  # the input is not modified
+        assert fm.fp8_experts_spec(out).submodules.experts.module is fp8_seq  # idempotent
+    else:  # megatron-core 0.19: the layer spec is a functools.partial builder
+        assert out.func is spec.func
+        assert out.keywords["submodules"].experts.func is fp8_seq
+        assert spec.keywords["submodules"].experts.func is SequentialMLP  # the input is not modified
+        assert fm.fp8_experts_spec(out).keywords["submodules"].experts.func is fp8_seq  # idempotent
     # builder-style specs (megatron-core 0.19: functools.partial all the way down)
-    sub = spec.submodules.experts.submodules
+    sub = spec.submodules.experts.submodules if isinstance(spec, ModuleSpec) else \
+        spec.keywords["submodules"].experts.keywords["submodules"]
     builder = functools.partial(MoELayer, submodules=MoESubmodules(
         experts=functools.partial(SequentialMLP, submodules=sub)))
     swapped = fm.fp8_experts_spec(builder)
