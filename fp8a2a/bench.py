@@ -266,8 +266,9 @@ class MegatronStyleAlltoAll:
             p = _AllToAll.apply(p, self.out_splits, self.in_splits, self.group)
         if L > 1:
             sizes = self.chunks.reshape(-1).tolist()
-            rows = torch.cat([torch.split(rows, sizes)[i] for i in self.sort_input])
-            p = torch.cat([torch.split(p, sizes)[i] for i in self.sort_input])
+            rows_parts, p_parts = torch.split(rows, sizes), torch.split(p, sizes)  # split once: E*R views
+            rows = torch.cat([rows_parts[i] for i in self.sort_input])
+            p = torch.cat([p_parts[i] for i in self.sort_input])
         return rows, tpe_host, p
 
     def combine(self, rows, apply_probs: bool = False):
