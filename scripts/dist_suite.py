@@ -18,19 +18,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fp8a2a  # noqa: E402
 from fp8a2a.timing import capture_cuda_graph  # noqa: E402
-from tests.test_dispatch import BASE, CASES, make_inputs, scenario  # noqa: E402
+from tests.test_dispatch import cases_for_world, make_inputs, scenario  # noqa: E402
 
 
 def cases(world, only_tp):
-    for name, case in CASES.items():
-        cfg = {**BASE, **case}
-        if only_tp and cfg.get("tp", 1) != only_tp:
-            continue
-        if world % cfg.get("tp", 1):
-            continue
-        if isinstance(cfg["tokens"], list):  # e.g. an empty rank in the middle
-            cfg["tokens"] = [cfg["tokens"][r % len(cfg["tokens"])] for r in range(world)]
-        yield name, cfg
+    for name, cfg in cases_for_world(world).items():
+        if not only_tp or cfg.get("tp", 1) == only_tp:
+            yield name, cfg
 
 
 def graph_replay(rank, world):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import fp8a2a
 from fp8a2a.timing import capture_cuda_graph
 
-from .test_dispatch import BASE, CASES, make_inputs, scenario
+from .test_dispatch import BASE, CASES, cases_for_world, make_inputs, scenario
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -26,12 +26,15 @@ def nccl_world_of_one():
     dist.destroy_process_group()
 
 
-# world size 1: every case but those needing other ranks (uneven tokens, one-rank routing, expert TP);
-# scripts/dist_suite.py runs them all over NCCL on several GPUs
-@pytest.mark.parametrize("name", [n for n in CASES if ("tokens" not in CASES[n] and "routing" not in CASES[n]
-                                                       or n == "skewed") and CASES[n].get("tp", 1) == 1])
+# The world-size-1 cases, less those about other ranks (an empty rank, a rank receiving nothing) and
+# those covered below (capacity drops, hidden 7168); scripts/dist_suite.py runs every case over NCCL.
+WORLD_ONE = {n: c for n, c in cases_for_world(1).items()
+             if n not in ("empty_rank", "receives_nothing", "capacity_with_drops", "hidden7168")}
+
+
+@pytest.mark.parametrize("name", list(WORLD_ONE))
 def test_scenarios_on_cuda(name):
-    scenario(0, 1, {**BASE, **CASES[name], "device": "cuda"})
+    scenario(0, 1, {**WORLD_ONE[name], "device": "cuda"})
 
 
 def test_large_hidden_on_cuda():
