@@ -33,11 +33,15 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $LOGS/NAME.log, print the 
   (( left < limit )) && limit=$left
   (( limit < 10 )) && { echo "=== $name: skipped, out of time"; return 1; }
   echo "=== $name"
-  local t0=$SECONDS
+  local t0=$SECONDS rc
   timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
-  echo "--- $name: exit $? in $((SECONDS - t0)) s"
+  rc=$?
+  echo "--- $name: exit $rc in $((SECONDS - t0)) s"
   tail -n "${TAIL:-12}" "$LOGS/$name.log"
+  (( rc == 0 )) || FAILED+=" $name"
+  return $rc
 }
+FAILED=
 # pip install -e would try to fetch setuptools there (no network): build in place instead
 # (a warm machine keeps the build: setup.py rebuilds only what changed).
 step build 300 python3 setup.py build_ext --inplace || exit 1
@@ -45,11 +49,12 @@ python3 -c "import torch, fp8a2a.ops; print(torch.__version__, torch.cuda.get_de
 mode=,${1:-tests,bench},
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 conv() {  # one convergence run per seed: the four variants, identical data order and init within a seed
-  local budget=$(( (DEADLINE - SECONDS - 30) / ${#CONV_SEEDS_A[@]} ))
+  local budget=$(( (DEADLINE - SECONDS - 30) / ${#CONV_SEEDS_A[@]} )) rc=0
   for seed in "${CONV_SEEDS_A[@]}"; do
     step "convergence_seed$seed" $((budget + 20)) python3 scripts/train_convergence.py --seed "$seed" --quiet \
-      --runs bf16,fp8_row,fp8_block128,fp8_row_fp8mlp --time-budget "$budget" --out "$LOGS/convergence_seed$seed"
+      --runs bf16,fp8_row,fp8_block128,fp8_row_fp8mlp --time-budget "$budget" --out "$LOGS/convergence_seed$seed" || rc=1
   done
+  return $rc
 }
 read -ra CONV_SEEDS_A <<< "${CONV_SEEDS:-1 2}"
 if [[ $mode == *,multi,* ]] && (( NGPU > 1 )); then
@@ -84,4 +89,5 @@ if [[ $mode == *,bench,* ]]; then
   step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
   step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels.json"
 fi
-[[ -n $conv_pid ]] && wait "$conv_pid"
+[[ -n $conv_pid ]] && { wait "$conv_pid" || FAILED+=" convergence"; }
+[[ -z $FAILED ]] || { echo "=== failed:$FAILED"; exit 1; }
