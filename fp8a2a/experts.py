@@ -130,24 +130,35 @@ def _weight_version(w):
         return None
 
 
+def stack_weights(params):
+    """torch.stack(params) ([E, N, K] from E [N, K] parameters, differentiable), marked so that
+    fp8_weight caches its FP8 copy on the parameters: a stack is a new tensor on every call."""
+    w = torch.stack(list(params))
+    w.__dict__["_fp8a2a_sources"] = tuple(params)
+    return w
+
+
 def fp8_weight(weight: torch.Tensor, transposed: bool = False):
     """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
     transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
-    weight tensor; recomputed when the weight's version counter or storage changes, and after every
-    optimizer step (fused optimizers do not bump version counters)."""
-    ver = _weight_version(weight)
-    key = (transposed, ver, _optimizer_steps[0], weight.data_ptr(), weight.device, tuple(weight.shape))
-    cache = weight.__dict__.get("_fp8a2a_cache")
-    if ver is not None and cache is not None and cache.get(transposed, (None,))[0] == key:
+    weight tensor (on its parameters for a stack_weights tensor); recomputed when a version counter
+    or storage changes, and after every optimizer step (fused optimizers do not bump versions)."""
+    sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
+    versions = tuple(_weight_version(t) for t in sources)
+    cacheable = None not in versions
+    key = (transposed, versions, _optimizer_steps[0], tuple(t.data_ptr() for t in sources), weight.device,
+           tuple(weight.shape))
+    cache = sources[0].__dict__.get("_fp8a2a_cache")
+    if cacheable and cache is not None and cache.get(transposed, (None,))[0] == key:
         return cache[transposed][1]
     with torch.no_grad():
         w = weight.detach()
         w = w.transpose(-2, -1) if transposed else w
         E, N, K = w.shape
-        data, scale = _quant_rows(w.reshape(E * N, K) if w.is_contiguous() else w.contiguous().view(E * N, K))
+        data, scale = _quant_rows(w.reshape(E * N, K))
         out = (data.view(E, N, K), scale.view(E, N))
-    if ver is not None:
-        weight.__dict__.setdefault("_fp8a2a_cache", {})[transposed] = (key, out)
+    if cacheable:
+        sources[0].__dict__.setdefault("_fp8a2a_cache", {})[transposed] = (key, out)
     return out
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fp8a2a
 from fp8a2a import experts
-from fp8a2a.experts import FP8GroupedMLP, _block_to_row, fp8_weight, grouped_linear, resolve_backend
+from fp8a2a.experts import FP8GroupedMLP, _block_to_row, fp8_weight, grouped_linear, resolve_backend, stack_weights
 from fp8a2a.quant import QuantizedTensor
 from fp8a2a.reference import dequantize_reference, quantize_reference
 
@@ -204,6 +204,23 @@ def test_fp8_weight_cache_follows_the_version_counter():
     t = fp8_weight(w, transposed=True)
     assert t[0].shape == (2, 64, 32) and t[1].shape == (2, 64)
     assert fp8_weight(w) is b  # both kinds cached side by side
+
+
+def test_fp8_weight_of_stacked_parameters_is_cached_on_them():
+    """Megatron's experts hold one parameter per expert: the stack is new on every forward, the FP8
+    copy is not (it follows the parameters' versions)."""
+    ps = [torch.nn.Parameter(torch.randn(32, 64)) for _ in range(3)]
+    a = fp8_weight(stack_weights(ps))
+    assert fp8_weight(stack_weights(ps)) is a
+    torch.testing.assert_close(a[0].float() * a[1][..., None], torch.stack(ps).detach(), rtol=0.07, atol=1e-3)
+    with torch.no_grad():
+        ps[2].mul_(2)  # any one parameter changing refreshes the copy
+    b = fp8_weight(stack_weights(ps))
+    assert b is not a
+    torch.testing.assert_close(b[1][2], a[1][2] * 2)
+    w = stack_weights(ps)
+    (w * 3).sum().backward()  # the stack stays differentiable into the parameters
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in ps)
 
 
 def test_fp8_weight_cache_refreshes_after_a_fused_optimizer_step():

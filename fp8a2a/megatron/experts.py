@@ -74,6 +74,8 @@ class _FP8ExpertsMixin:
 def _sequential_cls():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
+    from ..experts import stack_weights
+
     class FP8SequentialMLP(_FP8ExpertsMixin, SequentialMLP):
         """Megatron's SequentialMLP (local_experts.{i}.linear_fc1/linear_fc2), FP8 grouped forward."""
 
@@ -84,14 +86,16 @@ def _sequential_cls():
             self._fp8_setup(self.config, fc1.shape[0], fc1.shape[1], fc2.shape[1])
 
         def _fp8_weights(self):
-            return (torch.stack([e.linear_fc1.weight for e in self.local_experts]),
-                    torch.stack([e.linear_fc2.weight for e in self.local_experts]))
+            return (stack_weights([e.linear_fc1.weight for e in self.local_experts]),
+                    stack_weights([e.linear_fc2.weight for e in self.local_experts]))
 
     return FP8SequentialMLP
 
 
 def _te_grouped_cls():
     from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from ..experts import stack_weights
 
     class FP8TEGroupedMLP(_FP8ExpertsMixin, TEGroupedMLP):
         """Megatron's TEGroupedMLP (linear_fc1.weight{i} / linear_fc2.weight{i}), FP8 grouped forward.
@@ -106,7 +110,7 @@ def _te_grouped_cls():
             ws = [getattr(linear, f"weight{i}", None) for i in range(self.num_local_experts)]
             if any(w is None for w in ws):
                 raise ValueError("fp8a2a: FP8TEGroupedMLP needs TE GroupedLinear weights weight0..weight{E-1}")
-            return torch.stack([w for w in ws])
+            return stack_weights(ws)
 
         def _fp8_weights(self):
             return self._weights_of(self.linear_fc1), self._weights_of(self.linear_fc2)
