@@ -40,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.nn.functional as F
 
 from . import ops
-from .quant import QuantizedTensor
+from .quant import QuantizedTensor, quantize
 
 FP8 = torch.float8_e4m3fn
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
@@ -69,10 +69,14 @@ def _triton_ok(t: torch.Tensor) -> bool:
     return t.is_cuda and _tk() is not None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that runs on `device` (see the module docstring)."""
+def _check_backend(backend: str):
     if backend not in BACKENDS:
         raise ValueError(f"fp8a2a: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that runs on `device` (see the module docstring)."""
+    _check_backend(backend)
     cuda = torch.device(device).type == "cuda"
     if backend == "auto":
         if not cuda:
@@ -185,24 +189,25 @@ def _fold(xs, rw):
 # the GEMMs of each backend
 
 
+def _expert_rows(offs):
+    """(e, rows of expert e) for every expert with rows; offs = cumulative row counts (host read)."""
+    bounds = [0] + offs.tolist()
+    return [(e, slice(a, b)) for e, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+
+
 def _ref_mm(a, b, offs):
     """fp32 [M, N]: a[rows of e] @ b[e]^T, a [M, K], b [E, N, K]; a loop over experts."""
     out = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.float32)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = a[start:end].float() @ b[e].float().t()
-        start = end
+    for e, rows in _expert_rows(offs):
+        out[rows] = a[rows].float() @ b[e].float().t()
     return out
 
 
 def _ref_wgrad(g, x, offs, num_experts):
+    """fp32 [E, N, K]: g[rows of e]^T @ x[rows of e]."""
     out = g.new_zeros((num_experts, g.shape[1], x.shape[1]), dtype=torch.float32)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[e] = g[start:end].float().t() @ x[start:end].float()
-        start = end
+    for e, rows in _expert_rows(offs):
+        out[e] = g[rows].float().t() @ x[rows].float()
     return out
 
 
@@ -225,7 +230,9 @@ def _mm_fp8(backend, xq, xs, wq, sw, offs, fast_accum=False):
             try:
                 return torch._scaled_grouped_mm(a, wq.transpose(-2, -1), sa, sw, offs=offs,
                                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-            except RuntimeError as err:
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as err:  # the op refused this shape: remember, use the Triton GEMM
                 _SGMM_REFUSED.add(key)
                 _warn_refused(err)
         backend = "triton" if _tk() is not None else "reference"
@@ -249,6 +256,8 @@ def _dgrad(cfg, g, w, offs):
     if hasattr(torch, "_grouped_mm") and not TRITON_BACKWARD:
         try:
             return torch._grouped_mm(g, wb, offs=offs, out_dtype=torch.bfloat16)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:
             pass
     return _tk().grouped_mm(g, wb, offs, b_strides=(wb.stride(0), wb.stride(2), wb.stride(1)), n=K)
@@ -267,6 +276,8 @@ def _wgrad(cfg, g, xq, xs, offs, weight):
         x_hat = _dequant(xq, xs, torch.bfloat16)
         try:
             return torch._grouped_mm(g.t(), x_hat, offs=offs, out_dtype=torch.bfloat16).to(weight.dtype)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError:
             pass
     return _tk().grouped_wgrad(g, xq, offs, sx=xs, out_dtype=weight.dtype)
@@ -376,8 +387,7 @@ def _as_quantized(q) -> QuantizedTensor:
     if isinstance(q, QuantizedTensor):
         return q
     if isinstance(q, torch.Tensor) and q.dim() == 2 and q.is_floating_point():
-        data, scale = _quant_rows(q.detach())
-        return QuantizedTensor(data, scale, "row", grad_anchor=q if q.requires_grad else None)
+        return quantize(q.contiguous(), "row")  # the op takes contiguous rows; grads reach q
     raise TypeError(f"fp8a2a: expected a QuantizedTensor (or a 2-D float tensor), got {type(q).__name__}")
 
 
@@ -399,12 +409,14 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
     return offs
 
 
-def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check):
+def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights):
     q = _as_quantized(q)
     xq, xs = q.data, q.scale
     M, H = xq.shape
     if H != hidden:
         raise ValueError(f"fp8a2a: input has {H} columns, the weight expects {hidden}")
+    if router_weights is not None and router_weights.shape != (M,):
+        raise ValueError(f"fp8a2a: router_weights must be [{M}], got {tuple(router_weights.shape)}")
     if xq.stride(-1) != 1:
         xq = xq.contiguous()
     if xs.dim() == 0:  # tensor scale: a row scale that every row shares
@@ -429,9 +441,8 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
     False = no check."""
     if weight.dim() != 3:
         raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
-    xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend, check)
-    if router_weights is not None and router_weights.shape != (xq.shape[0],):
-        raise ValueError(f"fp8a2a: router_weights must be [{xq.shape[0]}], got {tuple(router_weights.shape)}")
+    xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend, check,
+                                        router_weights)
     return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, _Cfg(be, fp8_dgrad, fast_accum))
 
 
@@ -450,8 +461,7 @@ class FP8GroupedMLP(torch.nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"fp8a2a: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"fp8a2a: backend must be one of {BACKENDS}, got {backend!r}")
+        _check_backend(backend)
         self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
         self.activation, self.backend, self.fp8_dgrad, self.fast_accum = activation, backend, fp8_dgrad, fast_accum
         fc1_out = (2 if activation == "swiglu" else 1) * ffn_hidden
@@ -466,9 +476,7 @@ class FP8GroupedMLP(torch.nn.Module):
 
     def forward(self, q, tokens_per_expert, router_weights: Optional[torch.Tensor] = None, *, check=None):
         xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
-                                            self.backend, check)
-        if router_weights is not None and router_weights.shape != (xq.shape[0],):
-            raise ValueError(f"fp8a2a: router_weights must be [{xq.shape[0]}], got {tuple(router_weights.shape)}")
+                                            self.backend, check, router_weights)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation)
         return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, cfg)
 
