@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .quant import QuantizedTensor, dequantize
+from .quant import QuantizedTensor, dequantize, scale_of_amax, tensor_amax
 
 # Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
 # exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
@@ -42,7 +42,7 @@ class DispatchHandle:
     topk_weights: torch.Tensor  # float32, detached (only its layout is reused)
     send_pos: torch.Tensor  # [T, R] int32: send row of token t for rank r, or -1
     slot_pos: torch.Tensor = None  # [Nr, K] int32: expert-major row of each received slot, or -1
-    recv_counts: torch.Tensor = None  # [R, 4 + local experts] int64 (device)
+    recv_counts: torch.Tensor = None  # [R, ops.COUNTS_HEADER + local experts] int64 (device)
     send_splits: List[int] = field(default_factory=list)
     recv_splits: List[int] = field(default_factory=list)
     num_rows: int = 0  # expert-major rows N
@@ -134,12 +134,16 @@ class Dispatcher:
     def _check_agreement(self):
         # Once per Dispatcher, not per call: every rank must agree on the expert count and format,
         # or the per-call exchanges would have mismatched sizes (a hang, not an error).
-        mine = torch.tensor([self.num_experts, self.code, self.tp], dtype=torch.int64, device=self._device())
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        every = torch.stack(every).cpu().tolist()
+        every = self._gather_ints([self.num_experts, self.code, self.tp])
         if any(v != every[0] for v in every):
             raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code, expert_tp_size): {every}")
+
+    def _gather_ints(self, values: List[int]) -> List[List[int]]:
+        """Every rank's `values` (one all-gather, one host read): for once-per-setup agreement checks."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self._device())
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine, group=self.group)
+        return torch.stack(every).cpu().tolist()
 
     def _device(self):
         backend = dist.get_backend(self.group)
@@ -237,10 +241,10 @@ class Dispatcher:
     def _tensor_scale(self, x):
         if self.tensor_scale is not None:
             return self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
-        amax = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+        amax = tensor_amax(x)
         if self.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        return torch.where(amax == 0, torch.ones_like(amax), torch.div(amax, torch.full_like(amax, 448.0)))
+        return scale_of_amax(amax)
 
     def _pack(self, x, handle, wire, tensor_scale=None):
         xin = x.detach().contiguous()
@@ -249,9 +253,13 @@ class Dispatcher:
         return ops.dispatch_pack(xin, handle.topk_idx, handle.topk_weights, self.num_experts * self.tp, self.world,
                                  wire, tensor_scale, handle.rank_capacity)
 
-    def _unpack(self, recv, handle, wire, hidden):
-        return ops.dispatch_unpack(recv, handle.recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1],
-                                   handle.num_rows, handle.rank_capacity, handle.expert_capacity)
+    def _unpack(self, recv, handle, wire):
+        """dispatch_unpack; a raw (unquantized) wire's rows come back viewed as [N, hidden] handle.dtype."""
+        raw = wire == ops.RAW
+        hidden = handle.hidden * handle.dtype.itemsize if raw else handle.hidden
+        out = ops.dispatch_unpack(recv, handle.recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1],
+                                  handle.num_rows, handle.rank_capacity, handle.expert_capacity)
+        return (out[0].view(handle.dtype),) + tuple(out[1:]) if raw else out
 
     def _forward(self, x, handle):
         elem = x.element_size()
@@ -276,8 +284,7 @@ class Dispatcher:
         handle.recv_counts_host = theirs
         handle.num_rows = sum(sum(row[ops.COUNTS_HEADER:]) for row in theirs)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
-        hidden = x.shape[1] * elem if wire == ops.RAW else x.shape[1]
-        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire, hidden)
+        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire)
         handle.slot_pos = slot_pos
         return data, scale_rows, weights, tpe
 
@@ -287,12 +294,10 @@ class Dispatcher:
         if key not in self._validated_shapes:  # once per new shape: the checks the sync would do
             self._agree_on_wire(recv_counts.cpu().tolist(), x.shape[1], x.element_size())
             if self.world > 1:  # static splits need the same tokens per rank everywhere
-                shape = torch.tensor(x.shape[:1], device=counts.device)
-                every = [torch.empty_like(shape) for _ in range(self.world)]
-                dist.all_gather(every, shape, group=self.group)
-                if len({int(v) for v in every}) != 1:
+                tokens = [v[0] for v in self._gather_ints([x.shape[0]])]
+                if len(set(tokens)) != 1:
                     raise ValueError(f"fp8a2a: capacity mode needs the same number of tokens on every rank, got "
-                                     f"{[int(v) for v in every]}")
+                                     f"{tokens}")
             self._validated_shapes.add(key)
         handle.wire, handle.send_pos, handle.recv_counts = self.code, send_pos, recv_counts
         handle.send_splits = handle.recv_splits = [handle.rank_capacity] * self.world
@@ -300,7 +305,7 @@ class Dispatcher:
         handle.num_rows = self.num_local_experts * rows_per_expert
         handle.invalid_ids = counts[0, ops.BAD_IDS]
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
-        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, self.code, x.shape[1])
+        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, self.code)
         handle.slot_pos, handle.tokens_received = slot_pos, tpe
         padded = torch.full_like(tpe, rows_per_expert)
         return data, scale_rows, weights, padded
@@ -330,14 +335,11 @@ class _DispatchFn(torch.autograd.Function):
         d = handle.dispatcher
         data, scale, weights, tpe = d._forward(x, handle)
         ctx.handle = copy.copy(handle)  # a copy: handle.weights (set later) would close a reference cycle
-        ctx.x_dtype = x.dtype
-        n, h = handle.num_rows, handle.hidden
-        if handle.wire == ops.RAW:
-            rows = data.view(x.dtype).view(n, h)
+        if handle.wire == ops.RAW:  # data: the rows themselves, [N, H] in x's dtype
             placeholder = data.new_empty(0)
             ctx.mark_non_differentiable(placeholder, scale, tpe)
-            return rows, weights, placeholder, scale, tpe
-        anchor = x.new_empty(()).expand(n, h)  # gradient carrier of the FP8 rows: no memory, never read
+            return data, weights, placeholder, scale, tpe
+        anchor = x.new_empty(()).expand(handle.num_rows, handle.hidden)  # gradient carrier of the FP8 rows: no memory, never read
         ctx.mark_non_differentiable(data, scale, tpe)
         return anchor, weights, data, scale, tpe
 
@@ -347,12 +349,12 @@ class _DispatchFn(torch.autograd.Function):
         d = h.dispatcher
         want_w = ctx.needs_input_grad[1] and grad_weights is not None
         if grad_rows is None:
-            grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=ctx.x_dtype, device=h.send_pos.device)
+            grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=h.dtype, device=h.send_pos.device)
         extra = grad_weights.float().contiguous() if want_w else None
         quant = d.fp8_dispatch_backward
-        buf = ops.combine_pack(grad_rows.to(ctx.x_dtype).contiguous(), h.slot_pos, None, extra, quant)
+        buf = ops.combine_pack(grad_rows.to(h.dtype).contiguous(), h.slot_pos, None, extra, quant)
         back = d._exchange(buf, h.recv_splits, h.send_splits)
-        gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, ctx.x_dtype, quant, h.topk_idx.shape[1] if want_w else 0)
+        gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, h.dtype, quant, h.topk_idx.shape[1] if want_w else 0)
         return gx, (gw if want_w else None), None
 
 
@@ -378,17 +380,16 @@ class _CombineFn(torch.autograd.Function):
         wire = ops.RAW if h.wire == ops.RAW else ops.GRANULARITY["row"]
         send, _, _ = d._pack(grad_y, h, wire)
         recv = d._exchange(send, h.send_splits, h.recv_splits)
-        hidden = h.hidden * grad_y.element_size() if wire == ops.RAW else h.hidden
-        data, scale, _, _, _, _ = d._unpack(recv, h, wire, hidden)
+        data, scale, _, _, _, _ = d._unpack(recv, h, wire)  # raw: data is dy's rows in h.dtype
         raw = wire == ops.RAW
-        g = data.view(h.dtype).view(h.num_rows, h.hidden) if raw else None
         if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
-            return (g if raw else ops.dequantize(data, scale, h.dtype)), None, None
+            return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None
         w = weights.detach()
+        gf = data.float() if raw else None
         # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
-        grad_out = (g.float() * w.unsqueeze(1)).to(h.dtype) if raw else ops.dequantize(data, scale * w, h.dtype)
+        grad_out = (gf * w.unsqueeze(1)).to(h.dtype) if raw else ops.dequantize(data, scale * w, h.dtype)
         grad_w = None
         if ctx.needs_input_grad[1]:
-            gf = g.float() if raw else ops.dequantize(data, scale, torch.float32)
+            gf = gf if raw else ops.dequantize(data, scale, torch.float32)
             grad_w = (gf * expert_out.float()).sum(1)
         return grad_out, grad_w, None

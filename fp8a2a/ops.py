@@ -13,9 +13,9 @@ except ImportError as e:  # pragma: no cover - only without a build
 GRANULARITY = {"row": 0, "block128": 1, "tensor": 2}
 RAW = 3  # unquantized bytes on the wire (BF16 fallback, BF16 gradients)
 BLOCK = 128
-# Columns of the counts exchange (csrc/fp8_common.h CountsCol), then one per local expert.
-HIDDEN, TOPK, BAD_IDS, WIRE, ROWS = range(5)
-COUNTS_HEADER = 5
+# Columns of the counts exchange (csrc/fp8_common.h CountsCol; COUNTS_HEADER = kColExperts), then
+# one per local expert.
+HIDDEN, TOPK, BAD_IDS, WIRE, ROWS, COUNTS_HEADER = range(6)
 FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
 

@@ -32,10 +32,19 @@ class QuantizedTensor:
         return dequantize(self, dtype)
 
 
-def scale_for_tensor(x: torch.Tensor) -> torch.Tensor:
-    """The dequant scale of a whole tensor (amax / 448; 1 for an all-zero tensor)."""
-    amax = x.detach().abs().amax().float()
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 scalar on x's device (0 for an empty tensor)."""
+    return x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
+
+
+def scale_of_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The package's tensor-scale rule: amax / 448 (correctly rounded), 1 where amax is 0."""
     return torch.where(amax == 0, torch.ones_like(amax), torch.div(amax, torch.full_like(amax, 448.0)))
+
+
+def scale_for_tensor(x: torch.Tensor) -> torch.Tensor:
+    """The dequant scale of a whole tensor (amax / 448; 1 for an all-zero or empty tensor)."""
+    return scale_of_amax(tensor_amax(x))
 
 
 def quantize(x: torch.Tensor, granularity: str = "row", scale: Optional[torch.Tensor] = None) -> QuantizedTensor:

@@ -74,19 +74,6 @@ def expert_major_reference(xs, topk_idxs, topk_weights, rank: int, num_experts: 
     return stacked, torch.tensor(weights, dtype=torch.float64), torch.tensor(tpe), origin
 
 
-def moe_reference(x, topk_idx, topk_weights, expert_fn, apply_weights=True):
-    """y[t] = sum_k w[t,k] * expert_fn(e, x[t]) in float64: the combine a dispatcher must reproduce."""
-    y = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k in range(topk_idx.shape[1]):
-            e = int(topk_idx[t, k])
-            if e < 0:
-                continue
-            w = float(topk_weights[t, k]) if apply_weights else 1.0
-            y[t] += w * expert_fn(e, x[t].double())
-    return y
-
-
 def drop_to_capacity_reference(topk_idx, topk_weights, capacity: int, num_experts: int):
     """Per expert, keep the `capacity` routed slots with the highest weight (ties: earlier slot in
     token-major order); dropped slots become -1."""

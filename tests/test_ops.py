@@ -103,6 +103,9 @@ def test_hidden_not_multiple_of_16_and_empty():
     q = fp8a2a.quantize(torch.randn(0, 64))
     assert q.data.shape == (0, 64) and q.scale.shape == (0,)
     assert fp8a2a.quantize(torch.randn(3, 0)).scale.tolist() == [1.0, 1.0, 1.0]  # empty rows: amax 0
+    assert fp8a2a.scale_for_tensor(torch.randn(0, 64)).item() == 1.0  # empty tensor: amax 0, scale 1
+    x = torch.randn(4, 64)
+    assert torch.equal(fp8a2a.scale_for_tensor(x), torch.div(x.abs().amax(), torch.tensor(448.0)))
 
 
 # ---- send side, receive side, combine ------------------------------------------------------

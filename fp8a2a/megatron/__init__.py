@@ -40,7 +40,6 @@ from .options import CAPACITY_MODES, FP8_ALLTOALL, GRANULARITIES, Options, resol
 __all__ = ["register", "unregister", "is_registered", "add_arguments", "extra_args_provider", "fp8_experts_spec",
            "FP8_ALLTOALL", "Options", "resolve", "FP8AlltoAllTokenDispatcher"]
 
-TESTED_MEGATRON_CORE = ("0.16.1", "0.19.2")
 _BASE_TYPES = ["allgather", "alltoall", "flex"]
 _patches = []  # (owner, name, original)
 

@@ -216,9 +216,8 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         if isinstance(tokens, QuantizedTensor):
             tokens = QuantizedTensor(tokens.data, tokens.scale, tokens.granularity,
                                      grad_anchor=carrier if torch.is_grad_enabled() else None)
-            if self.deliver_fp8:
-                return tokens, out.tokens_per_expert, probs
-            tokens = dequantize(tokens, out.handle.dtype)
+            if not self.deliver_fp8:
+                tokens = dequantize(tokens, out.handle.dtype)
         else:
             tokens = _attach(carrier, tokens)
         if self.deliver_fp8:

@@ -11,10 +11,11 @@ Each option is looked up, first match wins:
 import sys
 from dataclasses import dataclass, fields, replace
 
+from .. import ops
 from ..dispatcher import DEFAULT_BF16_BELOW_BYTES
 
 FP8_ALLTOALL = "fp8_alltoall"
-GRANULARITIES = ("row", "block128", "tensor")
+GRANULARITIES = tuple(ops.GRANULARITY)
 # How Megatron's capacity settings (moe_expert_capacity_factor, moe_pad_expert_input_to_capacity)
 # map onto fp8a2a.Dispatcher (see dispatcher.py):
 #   auto:     drop-and-pad -> the Dispatcher's capacity mode (static shapes, no host sync);

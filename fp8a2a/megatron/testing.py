@@ -33,10 +33,6 @@ def _router_cls():
     return PortableTopKRouter
 
 
-def portable_router():
-    return _router_cls()
-
-
 def with_portable_router(spec):
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
