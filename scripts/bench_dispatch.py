@@ -115,8 +115,10 @@ def bench_point(p):
     dest = torch.zeros(t, ranks, dtype=torch.bool, device="cuda")
     dest.scatter_(1, idx // (e // ranks), True)
     row = ops.dispatch_row_bytes(h, 0, k)
-    res["fp8_wire_bytes_8ranks"] = int(dest.sum()) * row + ranks * ranks * (ops.COUNTS_HEADER + e // ranks) * 8
-    res["bf16_megatron_wire_bytes_8ranks"] = t * k * (2 * h + 4)
+    # what one rank sends, counted as fp8a2a.bench counts it: rows + its counts row to every rank;
+    # Megatron: one copy per (token, expert) with its prob + the tokens-per-expert all-gather
+    res["fp8_wire_bytes_8ranks"] = int(dest.sum()) * row + ranks * (ops.COUNTS_HEADER + e // ranks) * 8
+    res["bf16_megatron_wire_bytes_8ranks"] = t * k * (2 * h + 4) + e * 8 * ranks
     res["wire_ratio_8ranks"] = res["fp8_wire_bytes_8ranks"] / res["bf16_megatron_wire_bytes_8ranks"]
 
     # Capacity mode replayed from a CUDA graph (zero host syncs, static shapes).

@@ -113,11 +113,9 @@ class Case:
         s_idx, k_idx = valid.nonzero(as_tuple=True)
         order = torch.argsort(self.local_ids[s_idx, k_idx], stable=True)
         self.src_row = s_idx[order]  # received row of each expert-major row
-        self.eager_rows = self.x.index_select(0, t_of_row)  # stand-ins of received rows (bf16)
         q, s = quantize_reference(self.x, "row")
         self.eager_recv_q, self.eager_recv_s = q.index_select(0, t_of_row), s.index_select(0, t_of_row)
         self.eager_w = self.w.index_select(0, t_of_row)
-        self.eager_k = k_idx[order]
         self.eager_cbuf = torch.randn(t_of_row.shape[0], H, generator=g, device=device).to(torch.bfloat16)
 
     # --- the ops, their bytes, their eager equivalents --------------------------------------

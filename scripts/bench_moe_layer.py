@@ -64,13 +64,6 @@ def bf16_grouped_mlp(rows, tokens_per_expert, probs, fc1, fc2):
 # ------------------------------------------------------------------------------------------
 # paths
 
-def _grouped_mlp_class():
-    cls = getattr(fp8a2a, "FP8GroupedMLP", None)
-    if cls is None:  # not exported yet: take it from its module
-        from fp8a2a.experts import FP8GroupedMLP as cls
-    return cls
-
-
 class Paths:
     def __init__(self, shape, device, group, rank, world, fp8_backend="auto"):
         T, E, K, H, Fh = shape
@@ -83,10 +76,10 @@ class Paths:
         self.idx, w, self.rmap, probs = make_routing(T, E, K, device, seed=99 + rank)
         self.w, self.probs = w.requires_grad_(), probs.requires_grad_()
         self.gy = (torch.randn(T, H, generator=g) * 0.01).to(device=device, dtype=torch.bfloat16)
-        self.mlp = _grouped_mlp_class()(L, H, Fh, "swiglu", backend=fp8_backend, device=device)
+        self.mlp = fp8a2a.FP8GroupedMLP(L, H, Fh, "swiglu", backend=fp8_backend, device=device)
         self.fc1, self.fc2 = self.mlp.fc1_weight, self.mlp.fc2_weight
         # the same experts with FP8 input-gradient GEMMs (FP8GroupedMLP(fp8_dgrad=True)), shared weights
-        self.mlp_fp8_dgrad = _grouped_mlp_class()(L, H, Fh, "swiglu", backend=fp8_backend, fp8_dgrad=True,
+        self.mlp_fp8_dgrad = fp8a2a.FP8GroupedMLP(L, H, Fh, "swiglu", backend=fp8_backend, fp8_dgrad=True,
                                                   device="meta")
         self.mlp_fp8_dgrad.fc1_weight, self.mlp_fp8_dgrad.fc2_weight = self.fc1, self.fc2
         self.disp = fp8a2a.Dispatcher(E, group)
@@ -101,22 +94,22 @@ class Paths:
         self.fc1.grad = self.fc2.grad = None
         self.w.grad = self.probs.grad = None
 
-    def fp8(self, backward=True, mlp=None):
+    def fp8(self, mlp=None):
         x = self._x()
         out = self.disp.dispatch(x, self.idx, self.w)
         h = (mlp or self.mlp)(out.tokens, out.tokens_per_expert, router_weights=out.weights)
         return x, self.disp.combine(h, out.handle, apply_weights=False)
 
-    def fp8_dgrad(self, backward=True):
-        return self.fp8(backward, self.mlp_fp8_dgrad)
+    def fp8_dgrad(self):
+        return self.fp8(self.mlp_fp8_dgrad)
 
-    def replica_bf16(self, backward=True):
+    def replica_bf16(self):
         x = self._x()
         rows, tpe, p = self.replica.dispatch(x, self.rmap, self.probs)
         h = bf16_grouped_mlp(rows, tpe, p, self.fc1, self.fc2)
         return x, self.replica.combine(h)
 
-    def megatron_bf16(self, backward=True):
+    def megatron_bf16(self):
         x = self._x()
         d = self.megatron
         if hasattr(d, "dispatch_preprocess"):
@@ -144,7 +137,7 @@ def make_megatron_dispatcher(shape, world):
         return None, f"megatron-core not importable ({type(e).__name__}: {str(e)[:120]})"
     try:
         if not dist.is_initialized():
-            return None, "needs torch.distributed (run under torchrun, or world size 1 with --megatron-init)"
+            return None, "needs torch.distributed (run under torchrun, or on a GPU at world size 1)"
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
         cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=Fh,
@@ -242,9 +235,6 @@ def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
     captured; the default mode (one host sync per dispatch) runs eagerly next to it."""
     shape = shape or GRAPH_SHAPE
     res = {"shape": dict(zip(("tokens", "experts", "topk", "hidden", "ffn"), shape)), "available": False}
-    if "capacity_factor" not in inspect.signature(fp8a2a.Dispatcher.__init__).parameters:
-        res["why"] = "not available: fp8a2a.Dispatcher has no capacity mode"
-        return res
     if device.type != "cuda":
         res["why"] = "not available: CUDA graphs need a GPU"
         return res

@@ -1,6 +1,6 @@
 """Checks every fp8a2a op on CUDA against the CPU implementation (which defines the semantics).
 
-    python scripts/check_cuda_ops.py [--only quantize|dispatch|combine|graph] [--bench]
+    python scripts/check_cuda_ops.py [--only quantize|dispatch|combine|graph]
 
 For each case it runs the op on CPU and on CUDA with the same random inputs and asserts identical
 bytes: exact everywhere, except that two NaNs compare equal whatever their sign and payload (x86
@@ -587,77 +587,9 @@ def check_all(device="cuda", only=None, verbose=True):
     return run.passes
 
 
-# ---- a quick benchmark ----------------------------------------------------------------------------
-def bench(device="cuda", t=16384, h=7168, k=8, r=8, e=256, iters=20):
-    """Times dispatch_pack against a device copy of the same bytes (read + written), and the other
-    ops for orientation. Returns {name: dict}."""
-    dev = torch.device(device)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
-    w = torch.rand(t, k, generator=g).to(dev)
-
-    def timeit(fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / iters * 1e-3
-
-    def copy_time(nbytes):
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        return timeit(lambda: dst.copy_(src))
-
-    res = {}
-    x16 = x[:, :16].contiguous()
-    res["layout+tiny pack (H=16)"] = dict(us=timeit(lambda: ops.dispatch_pack(x16, idx, w, e, r, 0, None)) * 1e6)
-    for gran in (0, 1):
-        send, counts, send_pos = ops.dispatch_pack(x, idx, w, e, r, gran, None)
-        rows = int(counts[:, ROWS].sum())
-        moved = x.numel() * x.element_size() + rows * send.shape[1]
-        t_copy, t_pack = copy_time(moved), timeit(lambda: ops.dispatch_pack(x, idx, w, e, r, gran, None))
-        res[f"dispatch_pack {GRAN_NAMES[gran]}"] = dict(us=t_pack * 1e6, TBps=moved / t_pack / 1e12,
-                                                        copy_us=t_copy * 1e6, ratio=t_copy / t_pack, rows=rows)
-        moved_q = x.numel() * 3
-        t_q = timeit(lambda: ops.quantize(x, gran, None))
-        res[f"quantize {GRAN_NAMES[gran]}"] = dict(us=t_q * 1e6, TBps=moved_q / t_q / 1e12,
-                                                   ratio=copy_time(moved_q) / t_q)
-    # receive side and combine, one rank's view (R = 1 send buffer, all experts local)
-    send, counts, send_pos = ops.dispatch_pack(x, idx, w, e, 1, 0, None)
-    rows, n = int(counts[:, ROWS].sum()), int(counts[:, HEADER:].sum())
-    recv = send[:rows]
-    t_u = timeit(lambda: ops.dispatch_unpack(recv, counts, h, 0, k, n))
-    moved = rows * send.shape[1] + n * (h + 12)
-    res["dispatch_unpack"] = dict(us=t_u * 1e6, TBps=moved / t_u / 1e12, ratio=copy_time(moved) / t_u)
-    data, sc, wts, _, slot_pos, _ = ops.dispatch_unpack(recv, counts, h, 0, k, n)
-    eo = ops.dequantize(data, sc, torch.bfloat16)
-    t_cp = timeit(lambda: ops.combine_pack(eo, slot_pos, wts, None, False))
-    moved = n * h * 2 + rows * h * 2
-    res["combine_pack bf16"] = dict(us=t_cp * 1e6, TBps=moved / t_cp / 1e12, ratio=copy_time(moved) / t_cp)
-    buf = ops.combine_pack(eo, slot_pos, wts, None, False)
-    t_cu = timeit(lambda: ops.combine_unpack(buf, send_pos, h, torch.bfloat16, False, 0))
-    moved = rows * buf.shape[1] + t * h * 2
-    res["combine_unpack bf16"] = dict(us=t_cu * 1e6, TBps=moved / t_cu / 1e12, ratio=copy_time(moved) / t_cu)
-    t_dq = timeit(lambda: ops.dequantize(data, sc, torch.bfloat16))
-    moved = n * h * 3
-    res["dequantize"] = dict(us=t_dq * 1e6, TBps=moved / t_dq / 1e12, ratio=copy_time(moved) / t_dq)
-    print(f"bench T={t} H={h} K={k} R={r} E={e} bf16 (ratio = device copy of the same bytes / op time)")
-    for name, d in res.items():
-        print(f"  {name:28s} " + " ".join(f"{kk}={vv:.3f}" if isinstance(vv, float) else f"{kk}={vv}"
-                                          for kk, vv in d.items()), flush=True)
-    return res
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=sorted(CASES))
-    ap.add_argument("--bench", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
     ok = True
@@ -666,6 +598,4 @@ if __name__ == "__main__":
     except AssertionError as e:
         print(e)
         ok = False
-    if args.bench:
-        bench()
     sys.exit(0 if ok else 1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where the time goes (one GPU): torch-profiler tables for the slow spots the benchmarks show.
 
-    python scripts/profile_gpu.py [moe_layer] [experts] [pack_host]
+    python scripts/profile_gpu.py [moe_layer] [experts] [pack_host] [dispatch_host]
 
 moe_layer: one fp8a2a MoE-layer step (dispatch -> FP8GroupedMLP -> combine, forward + backward) at
 the DeepSeek-V3 shape of scripts/bench_moe_layer.py, kernels by GPU time.
@@ -105,6 +105,6 @@ def dispatch_host():
 
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["moe_layer", "experts", "pack_host"]
+    what = sys.argv[1:] or ["moe_layer", "experts", "pack_host", "dispatch_host"]
     for name in what:
         globals()[name]()
