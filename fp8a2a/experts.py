@@ -260,6 +260,8 @@ def _dgrad(cfg, g, w, offs):
             raise
         except RuntimeError:
             pass
+    if _tk() is None:  # torch refused and no Triton: the reference loop
+        return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
     return _tk().grouped_mm(g, wb, offs, b_strides=(wb.stride(0), wb.stride(2), wb.stride(1)), n=K)
 
 
@@ -280,6 +282,8 @@ def _wgrad(cfg, g, xq, xs, offs, weight):
             raise
         except RuntimeError:
             pass
+    if _tk() is None:  # torch refused and no Triton: the reference loop
+        return _ref_wgrad(g, _dequant(xq, xs), offs, E).to(weight.dtype)
     return _tk().grouped_wgrad(g, xq, offs, sx=xs, out_dtype=weight.dtype)
 
 
