@@ -45,6 +45,9 @@ TORCH_LIBRARY(fp8a2a, m) {
   m.def(
       "combine_unpack(Tensor buf, Tensor send_pos, int hidden, ScalarType dtype, bool quantized, int extra_k) "
       "-> (Tensor y, Tensor extra)");
+  // Capacity mode's drop: per expert, keep the `capacity` slots with the largest router weight
+  // (ties: the earlier slot); dropped slots become -1, other ids are kept. -> (ids, dropped count).
+  m.def("capacity_drop(Tensor topk_idx, Tensor topk_weights, int num_experts, int capacity) -> (Tensor, Tensor)");
   m.def("dispatch_row_bytes(int hidden, int granularity, int topk) -> int", &dispatch_row_bytes);
   m.def("combine_row_bytes(int hidden, int elem_size, bool quantized, int extra_k) -> int", &combine_row_bytes);
 }
@@ -56,6 +59,7 @@ TORCH_LIBRARY_IMPL(fp8a2a, CPU, m) {
   m.impl("dispatch_unpack", &dispatch_unpack_cpu);
   m.impl("combine_pack", &combine_pack_cpu);
   m.impl("combine_unpack", &combine_unpack_cpu);
+  m.impl("capacity_drop", &capacity_drop_cpu);
 }
 
 }  // namespace fp8a2a

@@ -45,6 +45,11 @@ std::tuple<Tensor, Tensor> combine_unpack_cpu(const Tensor& buf, const Tensor& s
 std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
                                                at::ScalarType dtype, bool quantized, int64_t extra_k);
 
+std::tuple<Tensor, Tensor> capacity_drop_cpu(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
+                                             int64_t capacity);
+std::tuple<Tensor, Tensor> capacity_drop_cuda(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
+                                              int64_t capacity);
+
 // ---- checks shared by both backends (clear errors instead of silent corruption) ----
 
 inline void check_activation(const Tensor& x, const char* name) {
@@ -167,6 +172,30 @@ inline CombineRow check_combine_buffer(const Tensor& buf, const Tensor& send_pos
               "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
   check_same_device(buf, send_pos, "send_pos");
   return L;
+}
+
+inline void check_capacity_drop(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
+                                int64_t capacity) {
+  TORCH_CHECK(topk_idx.dim() == 2 && (topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt) &&
+                  topk_idx.is_contiguous(),
+              "fp8a2a: capacity_drop: topk_idx must be a contiguous int64 or int32 [tokens, k], got ",
+              topk_idx.sizes(), " ", topk_idx.scalar_type());
+  TORCH_CHECK(topk_weights.sizes() == topk_idx.sizes() && topk_weights.scalar_type() == at::kFloat &&
+                  topk_weights.is_contiguous(),
+              "fp8a2a: capacity_drop: topk_weights must be contiguous float32 of topk_idx's shape ", topk_idx.sizes(),
+              ", got ", topk_weights.sizes(), " ", topk_weights.scalar_type());
+  check_same_device(topk_idx, topk_weights, "topk_weights");
+  TORCH_CHECK(num_experts >= 1 && num_experts < (int64_t{1} << 30), "fp8a2a: capacity_drop: num_experts out of range: ",
+              num_experts);
+  TORCH_CHECK(capacity >= 1, "fp8a2a: capacity_drop: capacity must be >= 1, got ", capacity);
+}
+
+// Capacity drop order: by expert, then router weight descending, then slot. The weight's float32
+// bits map to an unsigned key that orders like the float (-0 < +0; NaN by its bits), inverted so
+// that a larger weight gives a smaller key.
+FP8A2A_HD uint32_t weight_desc_key(uint32_t bits) {
+  const uint32_t ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return ~ordered;
 }
 
 // Compact mode: an upper bound (each token to at most min(K, R) ranks). Capacity mode: R fixed segments.

@@ -3,6 +3,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ops.h"
@@ -339,6 +340,31 @@ std::tuple<Tensor, Tensor> combine_unpack_cpu(const Tensor& buf, const Tensor& s
     });
   });
   return {y, extra};
+}
+
+std::tuple<Tensor, Tensor> capacity_drop_cpu(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
+                                             int64_t capacity) {
+  check_capacity_drop(topk_idx, topk_weights, num_experts, capacity);
+  auto out = topk_idx.clone();
+  const int64_t n = topk_idx.numel();
+  const float* w = topk_weights.data_ptr<float>();
+  int64_t dropped = 0;
+  AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "capacity_drop", [&] {
+    index_t* idx = out.data_ptr<index_t>();
+    // (expert, weight key, slot) of every routed slot, sorted: each expert's first `capacity` stay.
+    std::vector<std::tuple<int64_t, uint32_t, int64_t>> order;
+    for (int64_t s = 0; s < n; ++s)
+      if (idx[s] >= 0 && idx[s] < num_experts) order.emplace_back(idx[s], weight_desc_key(f32_bits(w[s])), s);
+    std::sort(order.begin(), order.end());
+    for (size_t i = 0; i < order.size(); ++i) {
+      const int64_t e = std::get<0>(order[i]);
+      if (i >= static_cast<size_t>(capacity) && std::get<0>(order[i - capacity]) == e) {
+        idx[std::get<2>(order[i])] = -1;
+        ++dropped;
+      }
+    }
+  });
+  return {out, at::scalar_tensor(dropped, topk_idx.options().dtype(at::kLong))};
 }
 
 }  // namespace fp8a2a

@@ -182,7 +182,9 @@ class Dispatcher:
             t, k = topk_idx.shape
             c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
             handle.expert_capacity, handle.rank_capacity = c, min(t, self.num_local_experts * c)
-            topk_idx, handle.dropped = self._drop_to_capacity(topk_idx, topk_weights, c)
+            # per expert, the c slots of this rank with the largest router weight stay (one kernel)
+            topk_idx, handle.dropped = ops.capacity_drop(topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
+                                                         self.num_experts, c)
         if self.tp > 1:
             topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
         handle.topk_idx = topk_idx.contiguous()
@@ -219,24 +221,6 @@ class Dispatcher:
         bad = torch.where(e == -1, -1, self.num_experts * tp)  # keep bad ids bad, -1 unrouted
         idx = torch.where(valid, virtual, bad).flatten(1)
         return idx, topk_weights.unsqueeze(-1).expand(*topk_weights.shape, tp).flatten(1)
-
-    def _drop_to_capacity(self, topk_idx, topk_weights, capacity):
-        """Keep, per expert, the `capacity` slots of this rank with the highest router weight (ties:
-        earlier token). Dropped slots become -1. Static shapes, no host sync, one sort: the key is
-        (expert, weight descending) in one int64, so a stable sort keeps token order among ties."""
-        e_count = self.num_experts
-        valid = (topk_idx >= 0) & (topk_idx < e_count)
-        expert = torch.where(valid, topk_idx, e_count).flatten().long()
-        bits = topk_weights.detach().float().contiguous().view(torch.int32).flatten()
-        ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # float order as a signed int
-        key = (expert << 33) + ((1 << 31) - 1 - ordered)  # larger weight, smaller key
-        sorted_key, perm = torch.sort(key, stable=True)
-        sorted_expert = sorted_key >> 33
-        first = torch.searchsorted(sorted_expert, sorted_expert)  # first slot of each slot's expert
-        kept = (torch.arange(key.numel(), device=key.device) - first) < capacity
-        keep = torch.empty_like(kept).scatter_(0, perm, kept).view_as(valid)
-        drop = valid & ~keep
-        return torch.where(drop, -1, topk_idx), drop.sum()
 
     def _tensor_scale(self, x):
         if self.tensor_scale is not None:

@@ -80,9 +80,15 @@ def _(buf, send_pos, hidden, dtype, quantized, extra_k):
     return buf.new_empty((t, hidden), dtype=dtype), buf.new_empty((t, extra_k), dtype=torch.float32)
 
 
+@torch.library.register_fake("fp8a2a::capacity_drop")
+def _(topk_idx, topk_weights, num_experts, capacity):
+    return torch.empty_like(topk_idx), topk_idx.new_empty((), dtype=torch.int64)
+
+
 quantize = _ops.quantize
 dequantize = _ops.dequantize
 dispatch_pack = _ops.dispatch_pack
 dispatch_unpack = _ops.dispatch_unpack
 combine_pack = _ops.combine_pack
 combine_unpack = _ops.combine_unpack
+capacity_drop = _ops.capacity_drop

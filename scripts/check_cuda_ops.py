@@ -562,9 +562,34 @@ def check_graph(run: Runner):
     _graph_check(run, "combine_pack quantized", lambda: ops.combine_pack(eo, slot_pos, wts, None, True))
     buf = ops.combine_pack(eo, slot_pos, wts, wts, False)
     _graph_check(run, "combine_unpack", lambda: ops.combine_unpack(buf, send_pos, 2048, torch.bfloat16, False, 8))
+    _graph_check(run, "capacity_drop (one block)", lambda: ops.capacity_drop(idx[:300], w[:300], 256, 4))
+    _graph_check(run, "capacity_drop (sort)", lambda: ops.capacity_drop(idx, w, 256, 40))
 
 
-CASES = {"quantize": check_quantize, "dispatch": check_dispatch, "combine": check_combine, "graph": check_graph}
+# ---- capacity_drop -----------------------------------------------------------------------------
+def check_capacity_drop(run: Runner):
+    g = torch.Generator().manual_seed(5)
+    # (tokens, k, experts, capacity, ties): one block up to 4096 slots, the sorting path above
+    for t, k, e, cap, ties in [(0, 8, 256, 4, False), (1, 1, 4, 1, False), (128, 8, 256, 8, False),
+                               (128, 8, 256, 2, True), (512, 8, 32, 100, True), (500, 8, 8, 300, False),
+                               (513, 8, 16, 7, True), (4096, 8, 256, 64, False), (3000, 4, 1000, 3, True),
+                               (16384, 8, 256, 600, True), (20000, 2, 2, 9000, False)]:
+        for idx_dtype in (torch.int64, torch.int32):
+            idx, w = make_routing(t, k, e, g, bad=t > 100, idx_dtype=idx_dtype)
+            if ties:  # a few weight values only (and -0 next to +0): ties broken by slot order
+                w = (w * 4).round() / 4
+                w[::5] = -0.0
+
+            def body(idx=idx, w=w, e=e, cap=cap):
+                a = ops.capacity_drop(idx, w, e, cap)
+                b = run.no_sync(ops.capacity_drop, run.cuda(idx), run.cuda(w), e, cap)
+                _exact(a[0], b[0], "ids")
+                _exact(a[1], b[1], "dropped")
+            run.check(f"capacity_drop t={t} k={k} e={e} cap={cap} ties={ties} {idx_dtype}", body)
+
+
+CASES = {"quantize": check_quantize, "dispatch": check_dispatch, "combine": check_combine,
+         "capacity_drop": check_capacity_drop, "graph": check_graph}
 
 
 def check_all(device="cuda", only=None, verbose=True):

@@ -1,12 +1,17 @@
 #!/usr/bin/env python
 """Where the time goes (one GPU): torch-profiler tables for the slow spots the benchmarks show.
 
-    python scripts/profile_gpu.py [moe_layer] [experts] [pack_host] [dispatch_host]
+    python scripts/profile_gpu.py [moe_layer] [experts] [pack_host] [dispatch_host] [pack_device]
+    ncu --clock-control none -k regex:dispatch_ python scripts/profile_gpu.py pack_calls
 
 moe_layer: one fp8a2a MoE-layer step (dispatch -> FP8GroupedMLP -> combine, forward + backward) at
 the DeepSeek-V3 shape of scripts/bench_moe_layer.py, kernels by GPU time.
 experts: FP8GroupedMLP forward + backward at 8 experts x 2048 rows, 7168 -> 2048 (default and
 fp8_dgrad), kernels by GPU time.
+pack_device: dispatch_pack's two kernels (layout, pack) at bench_kernels' size, next to a write-only
+fill of the send buffer and the raw (unquantized, read once write per rank) pack: what bounds the op.
+capacity_step: kernels of one capacity-mode dispatch + combine at 128 tokens (bench_dispatch's graph step).
+pack_calls: a few bare dispatch_pack calls at that size, for ncu.
 pack_host: the host side of dispatch_pack at 256 x 4096 (CPU time per runtime call and op).
 dispatch_host: Python's own profile (cProfile) of dispatch + combine at 128 tokens, world size 1.
 """
@@ -38,11 +43,12 @@ def moe_layer():
     from bench_moe_layer import GPU_SHAPES, Paths
     p = Paths(GPU_SHAPES["deepseek-v3"], torch.device("cuda"), None, 0, 1)
 
-    def step():
-        p._zero()
-        _, y = p.fp8()
-        y.backward(p.gy)
-    print("== MoE layer, DeepSeek-V3 shape, fp8a2a fwd+bwd, 3 steps\n" + table(step))
+    for name in ("fp8", "fp8_dgrad"):
+        def step():
+            p._zero()
+            _, y = getattr(p, name)()
+            y.backward(p.gy)
+        print(f"== MoE layer, DeepSeek-V3 shape, fp8a2a ({name}) fwd+bwd, 3 steps\n" + table(step))
 
 
 def experts():
@@ -62,6 +68,50 @@ def experts():
                 t.grad = None
             mlp(q, tpe).backward(dy)
         print(f"== FP8GroupedMLP fwd+bwd, fp8_dgrad={fp8_dgrad}, 3 steps\n" + table(step))
+
+
+def _pack_case():
+    T, H, K, E, R = 16384, 7168, 8, 256, 8
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(K, dim=1).indices
+    w = torch.rand(T, K, device="cuda")
+    return x, idx, w, E, R
+
+
+def pack_device():
+    from fp8a2a.timing import cuda_median_ms
+    x, idx, w, E, R = _pack_case()
+    row = ops.GRANULARITY["row"]
+    send, _, _ = ops.dispatch_pack(x, idx, w, E, R, row, None)
+    raw, _, _ = ops.dispatch_pack(x.view(torch.uint8), idx, w, E, R, ops.RAW, None)
+    src = torch.empty(send.numel() // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    print(f"== send rows {send.shape}, raw rows {raw.shape}")
+    for name, fn, nbytes in (
+            ("dispatch_pack row", lambda: ops.dispatch_pack(x, idx, w, E, R, row, None), x.nbytes + send.nbytes),
+            ("dispatch_pack raw", lambda: ops.dispatch_pack(x.view(torch.uint8), idx, w, E, R, ops.RAW, None),
+             x.nbytes + raw.nbytes),
+            ("fill send buffer (write only)", lambda: send.fill_(1), send.nbytes),
+            ("copy of the same total bytes", lambda: dst.copy_(src), 2 * src.nbytes)):
+        ms = cuda_median_ms(fn, iters=50)
+        print(f"{name:32s} {ms:8.3f} ms  {nbytes / ms / 1e9:8.2f} TB/s")
+    print("== dispatch_pack kernels\n" + table(lambda: ops.dispatch_pack(x, idx, w, E, R, row, None), steps=10))
+
+
+def capacity_step():
+    from bench_dispatch import dispatch_combine_step, routing
+    torch.manual_seed(0)
+    x = torch.randn(128, 7168, device="cuda", dtype=torch.bfloat16)
+    idx, w = routing(128, 256, 8)
+    step = dispatch_combine_step(fp8a2a.Dispatcher(256, capacity_factor=2.0), x, idx, w)
+    print("== capacity-mode dispatch + combine, 128 tokens, 10 steps\n" + table(step, steps=10, rows=40))
+
+
+def pack_calls():
+    x, idx, w, E, R = _pack_case()
+    for _ in range(4):
+        ops.dispatch_pack(x, idx, w, E, R, ops.GRANULARITY["row"], None)
+    torch.cuda.synchronize()
 
 
 def pack_host():
@@ -105,6 +155,6 @@ def dispatch_host():
 
 
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["moe_layer", "experts", "pack_host", "dispatch_host"]
+    what = sys.argv[1:] or ["moe_layer", "experts", "pack_device", "capacity_step", "pack_host", "dispatch_host"]
     for name in what:
         globals()[name]()

@@ -5,7 +5,7 @@ import torch
 
 import fp8a2a
 from fp8a2a import ops
-from fp8a2a.reference import dequantize_reference, quantize_reference, route_reference
+from fp8a2a.reference import dequantize_reference, drop_to_capacity_reference, quantize_reference, route_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -260,6 +260,38 @@ def test_combine_extras_map_back_to_topk_slots():
     buf = ops.combine_pack(torch.zeros(wts.shape[0], h), slot_pos, None, wts, False)
     _, extra = ops.combine_unpack(buf, send_pos, h, torch.float32, False, k)
     assert torch.equal(extra, torch.where(idx >= 0, w, 0.0))  # each slot's value lands at [t, k]
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("t,k,e,cap,ties", [(0, 8, 16, 2, False), (1, 1, 4, 1, False), (64, 8, 32, 3, False),
+                                            (64, 8, 32, 5, True), (40, 2, 2, 30, True), (50, 4, 8, 100, False)])
+def test_capacity_drop_keeps_the_largest_weights(idx_dtype, t, k, e, cap, ties):
+    g = torch.Generator().manual_seed(t + cap)
+    idx = torch.randint(0, e, (t, k), generator=g)
+    w = torch.rand(t, k, generator=g)
+    if ties:
+        w = (w * 3).round() / 3
+    if t > 4:
+        idx[1, 0], idx[2, -1], idx[3] = -1, e + 3, -1  # unrouted and bad ids stay as they are
+    idx = idx.to(idx_dtype)
+    out, dropped = ops.capacity_drop(idx, w, e, cap)
+    want = drop_to_capacity_reference(idx, w, cap, e)
+    assert out.dtype == idx_dtype and torch.equal(out, want)
+    assert dropped.dim() == 0 and int(dropped) == int(((idx >= 0) & (idx < e) & (out == -1)).sum())
+    counts = torch.bincount(out[(out >= 0) & (out < e)].long().flatten(), minlength=e)
+    assert counts.numel() == 0 or int(counts.max()) <= cap
+
+
+def test_capacity_drop_bad_inputs():
+    idx, w = torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match="capacity must be >= 1"):
+        ops.capacity_drop(idx, w, 4, 0)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.capacity_drop(idx, w.double(), 4, 1)
+    with pytest.raises(RuntimeError, match="int64 or int32"):
+        ops.capacity_drop(idx.float(), w, 4, 1)
+    with pytest.raises(RuntimeError, match="shape"):
+        ops.capacity_drop(idx, w[:3], 4, 1)
 
 
 def test_ops_trace_under_torch_compile():
