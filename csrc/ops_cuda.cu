@@ -1029,6 +1029,7 @@ struct UnpackParams {
   int64_t Nr, N, H, row_bytes;
   int64_t rcap, ecap;  // capacity mode: rank_capacity, expert_capacity (0: compact)
   int K, R, El, C, ns;
+  int split;  // warps per received row (each writes every split-th target): few rows, many targets
   int scale_off, weight_off, expert_off, pos_off;
   bool vec;
 };
@@ -1096,7 +1097,9 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
 
   const int64_t U = p.H / 16;
   const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * W + warp, nwarps = static_cast<int64_t>(gridDim.x) * W;
-  for (int64_t i = gwarp; i < p.Nr; i += nwarps) {
+  for (int64_t item = gwarp; item < p.Nr * p.split; item += nwarps) {
+    const int64_t i = item / p.split;
+    const int part = static_cast<int>(item - i * p.split);  // this warp's share of row i's targets
     // source rank of row i, or -1 when no source announced it
     int r = -1;
     if (capacity) {
@@ -1134,17 +1137,19 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
         }
         wt = __ldg(reinterpret_cast<const float*>(row + p.weight_off) + k);
       }
-      if (k < p.K) p.slot_pos[i * p.K + k] = n;
-      if (n >= 0) {
-        p.weights[n] = wt;
-        p.row_src[n] = static_cast<int>(i);
+      if (part == 0) {
+        if (k < p.K) p.slot_pos[i * p.K + k] = n;
+        if (n >= 0) {
+          p.weights[n] = wt;
+          p.row_src[n] = static_cast<int>(i);
+        }
       }
       const unsigned m = __ballot_sync(kFull, n >= 0);
       if (n >= 0) s_tgt[ntgt + __popc(m & ((1u << lane) - 1u))] = n;
       ntgt += __popc(m);
     }
     __syncwarp();
-    for (int j = 0; j < ntgt; ++j) {
+    for (int j = part; j < ntgt; j += p.split) {
       const int64_t n = s_tgt[j];
       for (int c = lane; c < p.ns; c += 32)
         p.scale[n * p.ns + c] = __ldg(reinterpret_cast<const float*>(row + p.scale_off) + c);
@@ -1157,7 +1162,7 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
           for (int a = 0; a < PB; ++a)
             if (v0 + a * 32 < U) buf[a] = __ldg(src + v0 + a * 32);
         }
-        for (int j = 0; j < ntgt; ++j) {
+        for (int j = part; j < ntgt; j += p.split) {
           uint4* dst = reinterpret_cast<uint4*>(p.data + static_cast<int64_t>(s_tgt[j]) * p.H);
 #pragma unroll
           for (int a = 0; a < PB; ++a)
@@ -1167,7 +1172,7 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
     } else {
       for (int64_t hh = lane; hh < p.H; hh += 32) {
         const uint8_t b = row[hh];
-        for (int j = 0; j < ntgt; ++j) p.data[static_cast<int64_t>(s_tgt[j]) * p.H + hh] = b;
+        for (int j = part; j < ntgt; j += p.split) p.data[static_cast<int64_t>(s_tgt[j]) * p.H + hh] = b;
       }
     }
     __syncwarp();
@@ -1542,7 +1547,6 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int device = x.get_device();
 
-  auto send = at::empty({send_rows, L.bytes}, x.options().dtype(at::kByte));
   auto counts = at::empty({R, kColExperts + El}, x.options().dtype(at::kLong));
   auto send_pos = at::empty({T, R}, x.options().dtype(at::kInt));
 
@@ -1552,16 +1556,23 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   const size_t layout_smem = static_cast<size_t>(W) * cols * 4;
   const int64_t per_step = static_cast<int64_t>(W) * 32;
   const int64_t sms = num_sms(device);
-  const int steps = static_cast<int>(
-      std::min<int64_t>(kMaxLayoutSteps, std::max<int64_t>(1, (TK + per_step * sms - 1) / (per_step * sms))));
+  // Up to W * 32 * kMaxLayoutSteps slots: one chunk, so no cross-block scan and no counter to clear
+  // (one block: no cross-block scan, no counter to clear, one launch less). Above: about one chunk per SM.
+  const int64_t one_chunk_steps = (TK + per_step - 1) / per_step;
+  const int steps = static_cast<int>(one_chunk_steps <= kMaxLayoutSteps
+      ? std::max<int64_t>(1, one_chunk_steps)
+      : std::min<int64_t>(kMaxLayoutSteps, (TK + per_step * sms - 1) / (per_step * sms)));
   const int64_t chunk_slots = per_step * steps;
   const int64_t nchunks = std::max<int64_t>(1, (TK + chunk_slots - 1) / chunk_slots);
   TORCH_CHECK(nchunks * cols < INT_MAX, "fp8a2a: dispatch_pack: too many tokens x experts for the CUDA layout");
 
-  // scratch: [done counter, pad x3][rank_off R][chunk_off nchunks x cols][slot_rank 2 x TK]
+  // scratch: [done counter, pad x3][rank_off R][chunk_off nchunks x cols][slot_rank 2 x TK] int32,
+  // in the send buffer's allocation, after the rows (one allocation less per call)
   const int64_t slot_off = (4 + R + nchunks * cols + 1) / 2 * 2;
-  auto scratch = at::empty({slot_off + 2 * TK}, x.options().dtype(at::kInt));
-  int* sp = scratch.data_ptr<int>();
+  const int64_t send_bytes = (send_rows * L.bytes + 15) / 16 * 16;
+  auto send_alloc = at::empty({send_bytes + 4 * (slot_off + 2 * TK)}, x.options().dtype(at::kByte));
+  auto send = send_alloc.narrow(0, 0, send_rows * L.bytes).view({send_rows, L.bytes});
+  int* sp = reinterpret_cast<int*>(send_alloc.data_ptr<uint8_t>() + send_bytes);
   LayoutParams lp{};
   lp.idx = topk_idx.data_ptr();
   lp.TK = TK;
@@ -1705,8 +1716,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(
   constexpr int kWarps = 8;
   const size_t smem = unpack_smem_bytes(R, C, El, topk, kWarps);
   ensure_smem(dispatch_unpack_kernel, smem, device, "dispatch_unpack");
-  const int64_t work = std::max(Nr, capacity ? num_rows : int64_t{0});
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kWarps - 1) / kWarps, 4 * num_sms(device)));
+  // Few rows (small batches): split each row's targets over up to topk warps, so that one warp
+  // does not write all of a row's copies alone while most of the GPU idles.
+  const int64_t max_warps = 4 * num_sms(device) * kWarps;
+  p.split = static_cast<int>(std::clamp<int64_t>(Nr > 0 ? max_warps / Nr : 1, 1, std::max<int64_t>(1, topk)));
+  const int64_t work = std::max(Nr * p.split, capacity ? num_rows : int64_t{0});
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((work + kWarps - 1) / kWarps, max_warps / kWarps));
   dispatch_unpack_kernel<<<blocks, kWarps * 32, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // Tensor granularity keeps one scale per row, as on the CPU.

@@ -31,6 +31,9 @@ from fp8a2a.reference import dequantize_reference, quantize_reference  # noqa: E
 FP8 = torch.float8_e4m3fn
 TARGET_PACK_FRAC = 0.9
 TARGET_HOST_US = 15.0
+# The issue states the host target next to eager row quantization on its machine (126 us): the same
+# bound as a ratio against eager quantization timed in this run, for hosts of another speed.
+TARGET_HOST_RATIO = TARGET_HOST_US / 126.0
 
 
 def median_ms(fn, device, iters, warmup=3):
@@ -221,6 +224,11 @@ def run(args):
                                        "ok": (pack.get("frac_of_copy") or 0) >= TARGET_PACK_FRAC},
         "dispatch_pack_host_us": {"target": TARGET_HOST_US, "value": pack.get("host_us"),
                                   "ok": pack.get("host_us") is not None and pack["host_us"] <= TARGET_HOST_US}}
+    quant = next(r for r in result["ops"] if r["op"] == "quantize_row")
+    if pack.get("host_us") is not None and quant.get("eager_host_us"):
+        ratio = pack["host_us"] / quant["eager_host_us"]
+        result["targets"]["dispatch_pack_host_vs_eager_quantize"] = {
+            "target": round(TARGET_HOST_RATIO, 3), "value": ratio, "ok": ratio <= TARGET_HOST_RATIO}
     print(format_table(result))
     _write(args, result)
     return 0
@@ -254,7 +262,7 @@ def format_table(res):
                 lines.append(f"  {key}: {r[key]}")
     t = res["targets"]
     for name, v in t.items():
-        lines.append(f"target {name}: {_f(v['value'], '.2f')} (target {'>=' if 'frac' in name else '<='} "
+        lines.append(f"target {name}: {_f(v['value'], '.3f' if 'vs' in name else '.2f')} (target {'>=' if 'frac' in name else '<='} "
                      f"{v['target']}): {'PASS' if v['ok'] else 'FAIL'}"
                      + (" (functional run: not meaningful)" if res["functional_only"] else ""))
     return "\n".join(lines)

@@ -264,7 +264,8 @@ def test_bench_kernels_functional(tmp_path, capsys):
                      "combine_unpack", "dequantize"]
     for r in doc["ops"]:
         assert r["ms"] > 0 and r["eager_ms"] > 0 and r["host_us"] > 0 and r["frac_of_copy"] > 0, r
-    assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us"}
+    assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us",
+                                   "dispatch_pack_host_vs_eager_quantize"}
     text = capsys.readouterr().out
     assert "FUNCTIONAL" in text and "dispatch_pack" in text and "x copy" in text
 
@@ -276,6 +277,8 @@ def test_bench_moe_layer_functional(tmp_path, capsys):
     doc = json.loads(out.read_text())
     rec = doc["shapes"]["deepseek-v3-tiny"]
     assert rec["fp8"]["fwd_bwd_ms"] > 0 and rec["replica_bf16"]["fwd_bwd_ms"] > 0
+    assert rec["fp8_bwd"]["fwd_bwd_ms"] > 0 and rec["speedup_fwd_bwd_fp8_bwd"] > 0  # fp8_dgrad + fp8_wgrad
+    assert doc["target"]["path"] in ("fp8", "fp8_dgrad", "fp8_bwd") and doc["target"]["default_value"] > 0
     assert rec["rel_err_vs_bf16"] < 0.15  # FP8 rows + FP8 weights against the BF16 path
     assert doc["graphs"]["available"] is False and "not available" in doc["graphs"]["why"]
     assert "target" in capsys.readouterr().out
