@@ -13,6 +13,12 @@ fc2 one kernel computes act(z) * router_weight and quantizes it per row for fc2.
 straight-through for every quantization: dX = dY @ W on the BF16 master weights (fp8_dgrad=True:
 dY quantized per row, W per input channel, FP8 GEMM), dW = dY^T @ x_hat in BF16 where x_hat is
 rebuilt from the saved FP8 rows and scales: no BF16 copy of any GEMM input is saved.
+fp8_wgrad=True (opt-in, lossy: relative error ~3e-2 against the BF16 dW for Gaussian data) computes
+dW from FP8 operands: dY and x_hat quantized per (expert, column), since the GEMM reduces over each
+expert's rows, scales by the package rule (amax / 448 over the expert's rows), one
+torch._scaled_grouped_mm (2d x 2d, groups padded to 16 rows) on the 'scaled_grouped_mm' backend; the
+'reference' backend emulates the same roundings (_group_col_quant). The 'triton' backend, and a shape
+the op cannot take (out or in features not a multiple of 16), keep the BF16 dW.
 
 Backends (backend=..., 'auto' picks the first that fits):
 - 'scaled_grouped_mm': torch._scaled_grouped_mm (CUDA sm_90+, row scales) with fast accumulation
@@ -40,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.nn.functional as F
 
 from . import ops
-from .quant import QuantizedTensor, quantize
+from .quant import QuantizedTensor, quantize, scale_of_amax
 
 FP8 = torch.float8_e4m3fn
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
@@ -99,6 +105,7 @@ class _Cfg:
     fp8_dgrad: bool = False
     fast_accum: bool = True
     activation: str = "swiglu"
+    fp8_wgrad: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,8 +218,8 @@ def _ref_wgrad(g, x, offs, num_experts):
     return out
 
 
-def _warn_refused(err):
-    warnings.warn(f"fp8a2a: torch._scaled_grouped_mm refused this shape ({err}); using the Triton grouped GEMM",
+def _warn_refused(err, fallback="the Triton grouped GEMM"):
+    warnings.warn(f"fp8a2a: torch._scaled_grouped_mm refused this shape ({err}); using {fallback}",
                   RuntimeWarning, stacklevel=3)
 
 
@@ -265,11 +272,67 @@ def _dgrad(cfg, g, w, offs):
     return _tk().grouped_mm(g, wb, offs, b_strides=(wb.stride(0), wb.stride(2), wb.stride(1)), n=K)
 
 
+def _row_groups(offs, rows):
+    """int [rows]: the group (expert) of every row, on offs' device (no host sync)."""
+    return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
+
+
+def _group_col_quant(v, offs):
+    """(e4m3 [M, C], scale f32 [G, C]): v [M, C] fp32 quantized per (group, column) by the package rule
+    (amax / 448 over the group's rows, IEEE divisions; scale 1 for an all-zero column). The numerics
+    of the FP8 weight gradient: its CPU path, and the reference of triton_kernels.group_col_quant_t."""
+    G, (M, C) = offs.shape[0], v.shape
+    gid = _row_groups(offs, M)
+    amax = v.new_zeros((G, C)).scatter_reduce_(0, gid[:, None].expand(M, C), v.abs(), "amax")
+    qmul = torch.where(amax == 0, torch.ones_like(amax), torch.div(torch.full_like(amax, 448.0), amax))
+    return (v * qmul[gid]).to(FP8), scale_of_amax(amax)
+
+
+def _wgrad_fp8_reference(g, x_hat, offs, num_experts):
+    """fp32 [E, N, K]: the FP8 weight gradient emulated, both operands rounded by _group_col_quant."""
+    gid = _row_groups(offs, g.shape[0])
+    gq, gs = _group_col_quant(g.float(), offs)
+    xq, xs = _group_col_quant(x_hat.float(), offs)
+    return _ref_wgrad(gq.float() * gs[gid], xq.float() * xs[gid], offs, num_experts)
+
+
+def _wgrad_fp8(cfg, g, xq, xs, offs):
+    """bf16 [E, N, K] = g_e^T @ x_hat_e from e4m3 operands quantized per (expert, column), one
+    torch._scaled_grouped_mm; None where the op cannot take the shape (the caller uses BF16)."""
+    (M, N), K, G = g.shape, xq.shape[1], offs.shape[0]
+    key = ("wgrad", N, K, torch.cuda.get_device_capability(g.device))
+    if N % 16 or K % 16 or key in _SGMM_REFUSED:
+        return None
+    # every group padded to a multiple of 16 rows (the op's rule), an empty one to 16 zero rows;
+    # on the device (no host sync), into a buffer of static size
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    pad_offs = torch.cumsum(((counts + 15) // 16 * 16).clamp_min(16), 0, dtype=torch.int32)
+    mpad = (M + 15) // 16 * 16 + 16 * G
+    a, sa = _tk().group_col_quant_t(g, offs, pad_offs, mpad)  # g^T [N, mpad]
+    bt, sb = _tk().group_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [K, mpad]
+    try:
+        return torch._scaled_grouped_mm(a, bt.t(), sa, sb, offs=pad_offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=cfg.fast_accum)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as err:
+        _SGMM_REFUSED.add(key)
+        _warn_refused(err, "the BF16 weight gradient")
+        return None
+
+
 def _wgrad(cfg, g, xq, xs, offs, weight):
-    """[E, N, K] in weight.dtype = g[rows of e]^T @ x_hat[rows of e], x_hat = xs * xq."""
+    """[E, N, K] in weight.dtype = g[rows of e]^T @ x_hat[rows of e], x_hat = xs * xq (cfg.fp8_wgrad:
+    both operands quantized per (expert, column) first)."""
     E = weight.shape[0]
     if g.shape[0] == 0:
         return torch.zeros_like(weight)
+    if cfg.fp8_wgrad and cfg.backend == "reference":
+        return _wgrad_fp8_reference(g, _dequant(xq, xs), offs, E).to(weight.dtype)
+    if cfg.fp8_wgrad and cfg.backend == "scaled_grouped_mm" and _tk() is not None:
+        dw = _wgrad_fp8(cfg, g, xq, xs, offs)
+        if dw is not None:
+            return dw.to(weight.dtype)
     if cfg.backend == "reference":
         return _ref_wgrad(g, _dequant(xq, xs), offs, E).to(weight.dtype)
     if hasattr(torch, "_grouped_mm") and not TRITON_BACKWARD:
@@ -432,14 +495,15 @@ def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_w
 
 
 def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: Optional[torch.Tensor] = None,
-                   *, backend: str = "auto", fp8_dgrad: bool = False, fast_accum: bool = True, check=None):
+                   *, backend: str = "auto", fp8_dgrad: bool = False, fp8_wgrad: bool = False,
+                   fast_accum: bool = True, check=None):
     """y [N, out] bf16 = x_e @ weight[e]^T for the rows x_e of each local expert e.
 
     q: QuantizedTensor [N, in] (row, block128 or tensor scales), rows expert-major (a plain 2-D
     float tensor is quantized per row first). weight: [E, out, in] master weights (bf16), quantized
     per output channel and cached. tokens_per_expert: int [E], summing to N. router_weights: [N],
     multiplies each output row. Differentiable w.r.t. the input (through q.grad_anchor), weight and
-    router_weights. backend, fp8_dgrad, fast_accum: as for FP8GroupedMLP.
+    router_weights. backend, fp8_dgrad, fp8_wgrad, fast_accum: as for FP8GroupedMLP.
     check: None = verify the counts when tokens_per_expert is on the CPU, an
     asynchronous device assert when it is on the GPU (no host sync); True = host-synced ValueError;
     False = no check."""
@@ -447,7 +511,8 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
         raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
     xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend, check,
                                         router_weights)
-    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, _Cfg(be, fp8_dgrad, fast_accum))
+    cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad)
+    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, cfg)
 
 
 class FP8GroupedMLP(torch.nn.Module):
@@ -457,10 +522,12 @@ class FP8GroupedMLP(torch.nn.Module):
     master weights in `dtype` (bf16). forward(q, tokens_per_expert, router_weights=None) -> [N, hidden]
     bf16; router_weights [N] multiply the activation (where Megatron applies its probs).
     backend: 'auto' | 'scaled_grouped_mm' | 'triton' | 'reference'; fp8_dgrad: FP8 input-gradient
-    GEMMs (default BF16); fast_accum: torch._scaled_grouped_mm's fast accumulation (default on)."""
+    GEMMs (default BF16); fp8_wgrad: FP8 weight-gradient GEMMs, operands quantized per (expert,
+    column) (default BF16; opt-in and lossy, 'scaled_grouped_mm' and 'reference' backends only, see
+    the module docstring); fast_accum: torch._scaled_grouped_mm's fast accumulation (default on)."""
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu", *,
-                 backend: str = "auto", fp8_dgrad: bool = False, fast_accum: bool = True,
+                 backend: str = "auto", fp8_dgrad: bool = False, fp8_wgrad: bool = False, fast_accum: bool = True,
                  device=None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -468,6 +535,7 @@ class FP8GroupedMLP(torch.nn.Module):
         _check_backend(backend)
         self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
         self.activation, self.backend, self.fp8_dgrad, self.fast_accum = activation, backend, fp8_dgrad, fast_accum
+        self.fp8_wgrad = fp8_wgrad
         fc1_out = (2 if activation == "swiglu" else 1) * ffn_hidden
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, hidden, device=device, dtype=dtype))
         self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, device=device, dtype=dtype))
@@ -481,9 +549,10 @@ class FP8GroupedMLP(torch.nn.Module):
     def forward(self, q, tokens_per_expert, router_weights: Optional[torch.Tensor] = None, *, check=None):
         xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
                                             self.backend, check, router_weights)
-        cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation)
+        cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad)
         return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, cfg)
 
     def extra_repr(self):
         return (f"experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
-                f"activation={self.activation}, backend={self.backend}, fp8_dgrad={self.fp8_dgrad}")
+                f"activation={self.activation}, backend={self.backend}, fp8_dgrad={self.fp8_dgrad}, "
+                f"fp8_wgrad={self.fp8_wgrad}")

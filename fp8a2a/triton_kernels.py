@@ -10,6 +10,8 @@
 - act_quant: activation (swiglu / gelu / relu / identity) * router weight, then e4m3 per row with the
   package's scale rule (amax / 448, IEEE divisions): one kernel, two passes over the row.
 - act_bwd: the activation's backward and the router-weight gradient in one kernel.
+- group_col_quant_t: e4m3 per (expert group, column), written transposed with every group padded to
+  a multiple of 16 rows: the operands of the FP8 weight-gradient GEMM (torch._scaled_grouped_mm).
 """
 import torch
 import triton
@@ -305,3 +307,67 @@ def act_bwd(z, dh, w, act):
                               z.stride(0), dh.stride(0), dz.stride(0), ACT=ACT_CODE[act], HAS_W=w is not None,
                               BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
     return dz, dw
+
+
+@triton.jit
+def _load_rows(x_ptr, sx_ptr, rm, rc, m_ok, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE: tl.constexpr):
+    """fp32 [BM, BC] tile of x (times its row or 128-block scale), 0 outside the mask."""
+    rm64 = rm.to(tl.int64)
+    ok = m_ok[:, None] & c_ok[None, :]
+    v = tl.load(x_ptr + rm64[:, None] * s_xm + rc[None, :] * s_xc, mask=ok, other=0.0).to(tl.float32)
+    if X_SCALE == 1:
+        v = v * tl.load(sx_ptr + rm64 * s_sxm, mask=m_ok, other=0.0)[:, None]
+    elif X_SCALE == 2:
+        v = v * tl.load(sx_ptr + rm64[:, None] * s_sxm + (rc // 128)[None, :] * s_sxc, mask=ok, other=0.0)
+    return v
+
+
+@triton.jit
+def _group_col_quant_t_kernel(x_ptr, sx_ptr, offs_ptr, poffs_ptr, q_ptr, s_ptr, C, G, MPAD,
+                              s_xm, s_xc, s_sxm, s_sxc, s_qc,
+                              X_SCALE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    g = tl.program_id(0)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = rc < C
+    start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
+    end = tl.load(offs_ptr + g)
+    pstart = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
+    pend = tl.load(poffs_ptr + g)
+    pend = tl.where(g == G - 1, MPAD, pend)  # the last group also zeroes the tail up to MPAD
+    amax = tl.zeros([BC], dtype=tl.float32)
+    for m0 in range(start, end, BM):  # pass 1: column amax over the group's rows
+        rm = m0 + tl.arange(0, BM)
+        v = _load_rows(x_ptr, sx_ptr, rm, rc, rm < end, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+    zero = amax == 0.0
+    a1 = tl.where(zero, 1.0, amax)
+    qmul = tl.where(zero, 1.0, tl.math.div_rn(448.0, a1))
+    scale = tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
+    for p0 in range(pstart, pend, BM):  # pass 2: quantize, store transposed; padding rows are 0
+        rp = p0 + tl.arange(0, BM)
+        rm = start + (rp - pstart)
+        v = _load_rows(x_ptr, sx_ptr, rm, rc, rm < end, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE)
+        q = (tl.trans(v) * qmul[:, None]).to(tl.float8e4nv)  # [BC, BM]: rows of data are columns of x
+        tl.store(q_ptr + rc.to(tl.int64)[:, None] * s_qc + rp[None, :], q, mask=c_ok[:, None] & (rp < pend)[None, :])
+    tl.store(s_ptr + g.to(tl.int64) * C + rc, scale, mask=c_ok)
+
+
+def group_col_quant_t(x, offs, pad_offs, mpad, sx=None):
+    """(data e4m3 [C, mpad], scale f32 [G * C]) of x [M, C] (bf16 / fp32, or e4m3 times sx: [M] row
+    scales, any strides, or [M, C/128] block scales) quantized per (group, column) by the package
+    rule (amax / 448 over the group's rows; scale 1 for an all-zero column), transposed. Group g's
+    rows offs[g-1]:offs[g] land in columns pad_offs[g-1]:pad_offs[g] of data, zero-padded, as do
+    the columns from pad_offs[-1] to mpad; scale[g * C + c] is the dequant multiplier."""
+    M, C = x.shape
+    G = offs.shape[0]
+    data = torch.empty((C, mpad), device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((G * C,), device=x.device, dtype=torch.float32)
+    if G == 0 or C == 0:
+        return data.zero_(), scale
+    x_scale = 0 if sx is None else (2 if sx.dim() == 2 else 1)
+    s_sxm, s_sxc = (sx.stride(0), sx.stride(1) if sx.dim() == 2 else 0) if sx is not None else (0, 0)
+    BC = 128
+    _group_col_quant_t_kernel[(G, triton.cdiv(C, BC))](
+        x, sx if sx is not None else scale, offs, pad_offs, data, scale, C, G, mpad,
+        x.stride(0), x.stride(1), s_sxm, s_sxc, data.stride(0), X_SCALE=x_scale, BM=64, BC=BC, num_warps=4)
+    return data, scale

@@ -104,17 +104,18 @@ def run_shape(name, hidden, ffn, args):
                 fc1_in_mb=sv1 / 2**20, fwd_tflops=flops / t_f / 1e9, fwd_bwd_tflops=3 * flops / t_fb / 1e9)
     results.append(base)
 
-    # (granularity, backend, fp8_dgrad, fast_accum, block128 consumed natively)
-    variants = [("row", "auto", False, True, True), ("row", "auto", True, True, True),
-                ("row", "auto", False, False, True), ("row", "triton", False, True, True),
-                ("block128", "auto", False, True, True), ("block128", "auto", False, True, False)]
+    # (granularity, backend, fp8_dgrad, fp8_wgrad, fast_accum, block128 consumed natively)
+    variants = [("row", "auto", False, False, True, True), ("row", "auto", True, False, True, True),
+                ("row", "auto", True, True, True, True),
+                ("row", "auto", False, False, False, True), ("row", "triton", False, False, True, True),
+                ("block128", "auto", False, False, True, True), ("block128", "auto", False, False, True, False)]
     if args.quick:
-        variants = variants[:2]
-    for gran, backend, fp8_dgrad, fast_accum, native in variants:
+        variants = variants[:3]
+    for gran, backend, fp8_dgrad, fp8_wgrad, fast_accum, native in variants:
         experts.BLOCK128_NATIVE = native
         be = resolve_backend(backend, torch.device(dev))
-        mlp = FP8GroupedMLP(E, hidden, ffn, args.act, backend=backend, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum,
-                            device=dev)
+        mlp = FP8GroupedMLP(E, hidden, ffn, args.act, backend=backend, fp8_dgrad=fp8_dgrad, fp8_wgrad=fp8_wgrad,
+                            fast_accum=fast_accum, device=dev)
         mlp.load_state_dict(mlp0.state_dict())
         xa = x.clone().requires_grad_()  # the gradient anchor (the dispatcher's input)
         data, scale = quantize_reference(x, gran)
@@ -133,7 +134,8 @@ def run_shape(name, hidden, ffn, args):
                     if fp8_dgrad:
                         fp8_weight(p, transposed=True)
         t_rq = bench(requant)
-        label = (f"fp8 {gran} {be}" + (" fp8-dgrad" if fp8_dgrad else "") + ("" if fast_accum else " exact-accum")
+        label = (f"fp8 {gran} {be}" + (" fp8-dgrad" if fp8_dgrad else "") + (" fp8-wgrad" if fp8_wgrad else "")
+                 + ("" if fast_accum else " exact-accum")
                  + ("" if gran == "row" else (" (triton fwd)" if native else " (converted)")))
         results.append(dict(shape=name, variant=label, fwd_ms=t_f, fwd_bwd_ms=t_fb, saved_mb=sv / 2**20,
                             fc1_in_mb=sv1 / 2**20, fwd_tflops=flops / t_f / 1e9, fwd_bwd_tflops=3 * flops / t_fb / 1e9,
@@ -151,7 +153,8 @@ def main():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--rows", type=int, default=2048, help="rows per expert")
     p.add_argument("--act", default="swiglu", choices=["swiglu", "gelu", "relu"])
-    p.add_argument("--quick", action="store_true", help="only the default and fp8-dgrad variants")
+    p.add_argument("--quick", action="store_true",
+                   help="only the default, fp8-dgrad and fp8-dgrad + fp8-wgrad variants")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -161,10 +164,10 @@ def main():
     results = []
     for name in args.shapes:
         results += run_shape(name, *SHAPES[name], args)
-    hdr = f"{'shape':9} {'variant':42} {'fwd ms':>7} {'fwd x':>6} {'f+b ms':>7} {'f+b x':>6} {'saved MB':>9} {'fc1 in MB':>9} {'requant ms':>10}"
+    hdr = f"{'shape':9} {'variant':48} {'fwd ms':>7} {'fwd x':>6} {'f+b ms':>7} {'f+b x':>6} {'saved MB':>9} {'fc1 in MB':>9} {'requant ms':>10}"
     print("\n" + hdr + "\n" + "-" * len(hdr))
     for r in results:
-        print(f"{r['shape']:9} {r['variant']:42} {r['fwd_ms']:7.3f} {r.get('fwd_x', 1):6.2f} {r['fwd_bwd_ms']:7.3f} "
+        print(f"{r['shape']:9} {r['variant']:48} {r['fwd_ms']:7.3f} {r.get('fwd_x', 1):6.2f} {r['fwd_bwd_ms']:7.3f} "
               f"{r.get('fwd_bwd_x', 1):6.2f} {r['saved_mb']:9.1f} {r['fc1_in_mb']:9.1f} {r.get('weight_requant_ms', 0):10.3f}")
     if args.json:
         with open(args.json, "w") as f:
