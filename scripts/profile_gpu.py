@@ -4,7 +4,8 @@
     python scripts/profile_gpu.py [moe_layer] [experts] [pack_host] [dispatch_host] [pack_device]
     ncu --clock-control none -k regex:dispatch_ python scripts/profile_gpu.py pack_calls
 
-moe_layer: one fp8a2a MoE-layer step (dispatch -> FP8GroupedMLP -> combine, forward + backward) at
+moe_layer: one fp8a2a MoE-layer step (dispatch -> FP8GroupedMLP -> combine, forward + backward; default,
+fp8_dgrad, fp8_dgrad + fp8_wgrad) at
 the DeepSeek-V3 shape of scripts/bench_moe_layer.py, kernels by GPU time.
 experts: FP8GroupedMLP forward + backward at 8 experts x 2048 rows, 7168 -> 2048 (default and
 fp8_dgrad), kernels by GPU time.
@@ -43,7 +44,7 @@ def moe_layer():
     from bench_moe_layer import GPU_SHAPES, Paths
     p = Paths(GPU_SHAPES["deepseek-v3"], torch.device("cuda"), None, 0, 1)
 
-    for name in ("fp8", "fp8_dgrad"):
+    for name in ("fp8", "fp8_dgrad", "fp8_bwd"):
         def step():
             p._zero()
             _, y = getattr(p, name)()
