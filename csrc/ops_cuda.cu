@@ -12,10 +12,11 @@
 // into CUDA graphs. Kernels per call:
 //   quantize          1 (tensor granularity with no scale: 2, an amax pass and the quantize pass)
 //   dequantize        1
-//   dispatch_pack     2: layout (counts, scans, positions; the last block to finish does the
-//                     cross-chunk scan) and pack (each token read once, quantized once, written to
-//                     each destination rank); plus a 4-byte memset when the layout has more than
-//                     one block (T*K above 512..4096 slots)
+//   dispatch_pack     1 up to 4096 slots and top-8: pack, each block routing its own token
+//                     (self_routing). Above: 2, layout (counts, scans, positions; the last block to
+//                     finish does the cross-chunk scan) and pack (each token read once, quantized
+//                     once, written to each destination rank), plus a 4-byte memset
+//   capacity_drop     1 up to 4096 slots (one block sorts); above: keys, a torch sort, the drop
 //   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
 //   combine_pack      1
 //   combine_unpack    1
@@ -23,10 +24,9 @@
 // (their slot_pos entries are -1), out-of-range expert ids are counted in the bad-ids column, rows
 // over a rank's capacity are not written (send_pos -1).
 //
-// Measured on one H200 (T=16384, H=7168, K=8, R=8, E=256, bf16; scripts/check_cuda_ops.py bench):
-// quantize 4.1 TB/s (= device copy), combine_pack 4.3, combine_unpack 4.0, dispatch_pack ~290 us
-// (layout ~17-25 us + pack ~270 us; 3.0 TB/s, 0.72-0.75 of a copy of the same bytes),
-// dispatch_unpack 3.4 TB/s, dequantize 3.0 TB/s. The write-heavy kernels all sit near 3.0 TB/s.
+// Measured on one H200 (T=16384, H=7168, K=8, R=8, E=256, bf16; scripts/bench_kernels.py,
+// BENCHMARKS.md): dispatch_pack ~290 us (layout ~21 us + pack ~250 us; 0.75-0.78 of a copy of the
+// same bytes), the write-heavy kernels near 3.0 TB/s, the others at copy bandwidth.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -756,6 +756,8 @@ struct PackParams {
   int K, E, El, R, cols, chunk_slots, gran;
   int scale_off, weight_off, expert_off, pos_off;
   bool vec;  // raw: 16-byte copies
+  int64_t* counts;  // self routing: [R, kColExperts + El], written here
+  int self_off;     // self routing: byte offset of its shared memory area
 };
 
 struct RouteSmem {
@@ -781,6 +783,124 @@ __device__ __forceinline__ RouteSmem carve_route_smem(unsigned char* smem, int K
 }
 
 size_t route_smem_bytes(int64_t K, int64_t num_block_scales) { return (5 * K + 32 + num_block_scales) * 4; }
+
+// ---- small batches: each pack block routes its own token (no layout kernel, one launch) ----
+constexpr int64_t kSelfMaxSlots = 4096;
+constexpr int kSelfMaxK = 8;
+
+int64_t self_smem_bytes(int64_t TK, int64_t E, int64_t R, int64_t K) { return (TK + E + R + 1 + 3 * K) * 4; }
+
+// What load_routing reads from the layout, counted by this block over all of topk_idx (staged in
+// shared memory): a slot's position = the earlier slots of its expert; a rank leader's row = the
+// earlier tokens on its rank, after the rows of lower ranks (compact mode) or at rank * capacity.
+// Every block also builds the expert and rank histograms and writes its share of the counts rows.
+template <typename IdxT>
+__device__ void self_routing(const PackParams& p, int64_t t, const RouteSmem& s, unsigned char* smem) {
+  const int K = p.K, E = p.E, R = p.R, El = p.El, TK = static_cast<int>(p.T) * K;
+  int* ids = reinterpret_cast<int*>(smem + p.self_off);  // [TK] expert id, -1 not routed, -2 bad
+  int* hist = ids + TK;                                   // [E] slots per expert
+  int* rows = hist + E;                                   // [R] tokens on each rank
+  int* bad = rows + R;                                    // [1] bad ids
+  int* cnt = bad + 1;  // [3, K] per slot: position, row among its rank's rows, rows of lower ranks
+  for (int i = threadIdx.x; i < E + R + 1 + 3 * K; i += blockDim.x) hist[i] = 0;
+  const IdxT* idx = reinterpret_cast<const IdxT*>(p.idx);
+  for (int i = threadIdx.x; i < TK; i += blockDim.x) {
+    const int64_t e = load_idx<IdxT>(idx + i);
+    ids[i] = (e >= 0 && e < E) ? static_cast<int>(e) : (e == -1 ? -1 : -2);
+  }
+  __syncthreads();
+  int me[kSelfMaxK], mr[kSelfMaxK], c_pos[kSelfMaxK], c_row[kSelfMaxK], c_off[kSelfMaxK];
+  bool lead[kSelfMaxK];
+#pragma unroll
+  for (int k = 0; k < kSelfMaxK; ++k) {
+    me[k] = k < K ? ids[t * K + k] : -1;
+    mr[k] = me[k] >= 0 ? me[k] / El : -1;
+    lead[k] = mr[k] >= 0;
+#pragma unroll
+    for (int j = 0; j < k; ++j)
+      if (mr[j] == mr[k]) lead[k] = false;
+    c_pos[k] = c_row[k] = c_off[k] = 0;
+  }
+  int n_bad = 0;
+  for (int64_t u = threadIdx.x; u < p.T; u += blockDim.x) {
+    int ue[kSelfMaxK], ur[kSelfMaxK];
+#pragma unroll
+    for (int j = 0; j < kSelfMaxK; ++j) {
+      ue[j] = j < K ? ids[u * K + j] : -1;
+      ur[j] = ue[j] >= 0 ? ue[j] / El : -1;
+      n_bad += ue[j] == -2;
+      if (ue[j] >= 0) atomicAdd(hist + ue[j], 1);
+    }
+#pragma unroll
+    for (int j = 0; j < kSelfMaxK; ++j) {
+      bool first = ur[j] >= 0;  // token u's first slot on rank ur[j]: u has one row there
+#pragma unroll
+      for (int i = 0; i < j; ++i)
+        if (ur[i] == ur[j]) first = false;
+      if (first) atomicAdd(rows + ur[j], 1);
+#pragma unroll
+      for (int k = 0; k < kSelfMaxK; ++k) {
+        if (me[k] >= 0 && ue[j] == me[k] && (u < t || (u == t && j < k))) ++c_pos[k];
+        if (first && lead[k]) {
+          c_off[k] += ur[j] < mr[k];
+          c_row[k] += ur[j] == mr[k] && u < t;
+        }
+      }
+    }
+  }
+  const bool lane0 = (threadIdx.x & 31) == 0;
+  n_bad = __reduce_add_sync(kFull, n_bad);
+  if (lane0 && n_bad) atomicAdd(bad, n_bad);
+#pragma unroll
+  for (int k = 0; k < kSelfMaxK; ++k) {
+    if (k >= K) break;
+    const int a = __reduce_add_sync(kFull, c_pos[k]), b = __reduce_add_sync(kFull, c_row[k]),
+              c = __reduce_add_sync(kFull, c_off[k]);
+    if (lane0) {
+      atomicAdd(cnt + k, a);
+      atomicAdd(cnt + K + k, b);
+      atomicAdd(cnt + 2 * K + k, c);
+    }
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    const int e = ids[t * K + k];
+    int rank = -1, row = -1, le = -1, pos = -1;
+    float wt = 0.0f;
+    if (e >= 0) {
+      rank = e / El;
+      le = e - rank * El;
+      pos = cnt[k];
+      wt = __ldg(p.w + t * K + k);
+      bool leader = true;
+      for (int j = 0; j < k; ++j)
+        if (ids[t * K + j] >= 0 && ids[t * K + j] / El == rank) leader = false;
+      if (leader) {
+        const int local = cnt[K + k];  // as load_routing: a rank over its capacity gets no row
+        if (p.cap == 0) row = cnt[2 * K + k] + local;
+        else if (local < p.cap) row = static_cast<int>(rank * p.cap + local);
+      }
+    }
+    s.rank[k] = rank;
+    s.row[k] = row;
+    s.le[k] = le;
+    s.pos[k] = pos;
+    s.w[k] = wt;
+  }
+  const int C = kColExperts + El;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < static_cast<int64_t>(R) * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int r = static_cast<int>(i / C), c = static_cast<int>(i - static_cast<int64_t>(r) * C);
+    int64_t v;
+    if (c == kColHidden) v = p.H;
+    else if (c == kColTopk) v = K;
+    else if (c == kColBadIds) v = *bad;
+    else if (c == kColWire) v = p.gran;
+    else if (c == kColRows) v = rows[r];
+    else v = hist[r * El + (c - kColExperts)];
+    p.counts[i] = v;
+  }
+}
 
 template <typename IdxT>
 __device__ __forceinline__ void load_routing(const PackParams& p, int64_t t, const RouteSmem& s) {
@@ -810,6 +930,13 @@ __device__ __forceinline__ void load_routing(const PackParams& p, int64_t t, con
     s.pos[k] = pos;
     s.w[k] = wt;
   }
+}
+
+// The routing of token t: from the layout kernel's tables, or counted by this block (SELF).
+template <typename IdxT, bool SELF>
+__device__ __forceinline__ void route_token(const PackParams& p, int64_t t, const RouteSmem& s, unsigned char* smem) {
+  if constexpr (SELF) self_routing<IdxT>(p, t, s, smem);
+  else load_routing<IdxT>(p, t, s);
 }
 
 // send_pos[t, r]: the send row of token t for rank r, or -1.
@@ -845,7 +972,7 @@ __device__ __forceinline__ uint32_t dispatch_tail_word(const PackParams& p, int6
 }
 
 // H % 16 == 0, 16-byte aligned x: UPT units of 16 elements per thread.
-template <typename T, typename IdxT, int UPT>
+template <typename T, typename IdxT, int UPT, bool SELF>
 __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kernel(PackParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const RouteSmem s = carve_route_smem(smem, p.K);
@@ -858,7 +985,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
     if (u < U) load_unit<T>(xrow, u, w[j]);
   }
-  load_routing<IdxT>(p, t, s);
+  route_token<IdxT, SELF>(p, t, s, smem);
 
   float q[UPT];
   float row_scale = 0.0f;
@@ -927,14 +1054,14 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
 }
 
 // Any H, any alignment of x: element by element.
-template <typename T, typename IdxT>
+template <typename T, typename IdxT, bool SELF>
 __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const RouteSmem s = carve_route_smem(smem, p.K);
   const int64_t t = blockIdx.x, H = p.H;
   const T* xrow = reinterpret_cast<const T*>(p.x) + t * H;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-  load_routing<IdxT>(p, t, s);
+  route_token<IdxT, SELF>(p, t, s, smem);
   float rm = 0.0f;
   if (p.gran == kBlock128) {
     const int64_t nb = H / kBlock;
@@ -977,13 +1104,13 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
 }
 
 // Raw wire: the activation's own bytes (x is a uint8 [T, H] view), read once, written per rank.
-template <typename IdxT>
+template <typename IdxT, bool SELF>
 __global__ void __launch_bounds__(512) dispatch_pack_raw_kernel(PackParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const RouteSmem s = carve_route_smem(smem, p.K);
   const int64_t t = blockIdx.x, H = p.H;
   const uint8_t* xrow = reinterpret_cast<const uint8_t*>(p.x) + t * H;
-  load_routing<IdxT>(p, t, s);
+  route_token<IdxT, SELF>(p, t, s, smem);
   __syncthreads();
   write_send_pos(p, t, s);
   if (p.vec) {
@@ -1566,11 +1693,16 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   const int64_t nchunks = std::max<int64_t>(1, (TK + chunk_slots - 1) / chunk_slots);
   TORCH_CHECK(nchunks * cols < INT_MAX, "fp8a2a: dispatch_pack: too many tokens x experts for the CUDA layout");
 
+  // Small batches (the host-bound regime): no layout kernel, each pack block routes its own token.
+  const size_t route_bytes = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
+  const bool self = T > 0 && TK <= kSelfMaxSlots && K <= kSelfMaxK &&
+                    route_bytes + self_smem_bytes(TK, num_experts, R, K) <= static_cast<size_t>(kSmemDefault);
+
   // scratch: [done counter, pad x3][rank_off R][chunk_off nchunks x cols][slot_rank 2 x TK] int32,
   // in the send buffer's allocation, after the rows (one allocation less per call)
   const int64_t slot_off = (4 + R + nchunks * cols + 1) / 2 * 2;
   const int64_t send_bytes = (send_rows * L.bytes + 15) / 16 * 16;
-  auto send_alloc = at::empty({send_bytes + 4 * (slot_off + 2 * TK)}, x.options().dtype(at::kByte));
+  auto send_alloc = at::empty({send_bytes + (self ? 0 : 4 * (slot_off + 2 * TK))}, x.options().dtype(at::kByte));
   auto send = send_alloc.narrow(0, 0, send_rows * L.bytes).view({send_rows, L.bytes});
   int* sp = reinterpret_cast<int*>(send_alloc.data_ptr<uint8_t>() + send_bytes);
   LayoutParams lp{};
@@ -1592,15 +1724,17 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   lp.chunk_off = sp + 4 + R;
   lp.slot_rank = reinterpret_cast<int2*>(sp + slot_off);
   lp.counts = counts.data_ptr<int64_t>();
-  if (nchunks > 1) C10_CUDA_CHECK(cudaMemsetAsync(lp.done, 0, sizeof(unsigned), stream));
-  if (topk_idx.scalar_type() == at::kLong) {
-    ensure_smem(dispatch_layout_kernel<int64_t>, layout_smem, device, "dispatch_pack layout");
-    dispatch_layout_kernel<int64_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
-  } else {
-    ensure_smem(dispatch_layout_kernel<int32_t>, layout_smem, device, "dispatch_pack layout");
-    dispatch_layout_kernel<int32_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
+  if (!self) {
+    if (nchunks > 1) C10_CUDA_CHECK(cudaMemsetAsync(lp.done, 0, sizeof(unsigned), stream));
+    if (topk_idx.scalar_type() == at::kLong) {
+      ensure_smem(dispatch_layout_kernel<int64_t>, layout_smem, device, "dispatch_pack layout");
+      dispatch_layout_kernel<int64_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
+    } else {
+      ensure_smem(dispatch_layout_kernel<int32_t>, layout_smem, device, "dispatch_pack layout");
+      dispatch_layout_kernel<int32_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (T == 0) return {send, counts, send_pos};
 
   PackParams p{};
@@ -1629,13 +1763,16 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.expert_off = static_cast<int>(L.expert_off);
   p.pos_off = static_cast<int>(L.pos_off);
   p.vec = H % 16 == 0 && aligned16(x.data_ptr());
-  const size_t smem = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
-  auto launch = [&](auto idx_tag) {
+  p.counts = counts.data_ptr<int64_t>();
+  p.self_off = static_cast<int>(route_bytes);
+  const size_t smem = route_bytes + (self ? self_smem_bytes(TK, num_experts, R, K) : 0);
+  auto launch = [&](auto idx_tag, auto self_tag) {
     using IdxT = decltype(idx_tag);
+    constexpr bool SELF = decltype(self_tag)::value;
     if (granularity == kRaw) {
-      ensure_smem(dispatch_pack_raw_kernel<IdxT>, smem, device, "dispatch_pack");
+      ensure_smem(dispatch_pack_raw_kernel<IdxT, SELF>, smem, device, "dispatch_pack");
       const int threads = static_cast<int>(std::min<int64_t>(512, round_up32(p.vec ? H / 16 : H)));
-      dispatch_pack_raw_kernel<IdxT><<<T, threads, smem, stream>>>(p);
+      dispatch_pack_raw_kernel<IdxT, SELF><<<T, threads, smem, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
@@ -1643,20 +1780,23 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
     const int upt = p.vec ? units_per_thread(U, /*prefer2=*/true) : 0;
     FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "dispatch_pack", [&] {
       if (upt == 1) {
-        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 1>, smem, device, "dispatch_pack");
-        dispatch_pack_vec_kernel<scalar_t, IdxT, 1><<<T, threads_for(U, 1), smem, stream>>>(p);
+        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 1, SELF>, smem, device, "dispatch_pack");
+        dispatch_pack_vec_kernel<scalar_t, IdxT, 1, SELF><<<T, threads_for(U, 1), smem, stream>>>(p);
       } else if (upt == 2) {
-        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 2>, smem, device, "dispatch_pack");
-        dispatch_pack_vec_kernel<scalar_t, IdxT, 2><<<T, threads_for(U, 2), smem, stream>>>(p);
+        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 2, SELF>, smem, device, "dispatch_pack");
+        dispatch_pack_vec_kernel<scalar_t, IdxT, 2, SELF><<<T, threads_for(U, 2), smem, stream>>>(p);
       } else {
-        ensure_smem(dispatch_pack_scalar_kernel<scalar_t, IdxT>, smem, device, "dispatch_pack");
-        dispatch_pack_scalar_kernel<scalar_t, IdxT><<<T, 256, smem, stream>>>(p);
+        ensure_smem(dispatch_pack_scalar_kernel<scalar_t, IdxT, SELF>, smem, device, "dispatch_pack");
+        dispatch_pack_scalar_kernel<scalar_t, IdxT, SELF><<<T, 256, smem, stream>>>(p);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   };
-  if (topk_idx.scalar_type() == at::kLong) launch(int64_t{});
-  else launch(int32_t{});
+  const bool wide = topk_idx.scalar_type() == at::kLong;
+  if (wide && self) launch(int64_t{}, std::true_type{});
+  else if (wide) launch(int64_t{}, std::false_type{});
+  else if (self) launch(int32_t{}, std::true_type{});
+  else launch(int32_t{}, std::false_type{});
   return {send, counts, send_pos};
 }
 
