@@ -12,10 +12,11 @@
 // into CUDA graphs. Kernels per call:
 //   quantize          1 (tensor granularity with no scale: 2, an amax pass and the quantize pass)
 //   dequantize        1
-//   dispatch_pack     1 up to 4096 slots and top-8: pack, each block routing its own token
-//                     (self_routing). Above: 2, layout (counts, scans, positions; the last block to
-//                     finish does the cross-chunk scan) and pack (each token read once, quantized
-//                     once, written to each destination rank), plus a 4-byte memset
+//   dispatch_pack     1 up to 512 tokens, 4096 slots and top-8 (and its tables within 48 KB of
+//                     shared memory): pack, each block routing its own token (self_routing).
+//                     Otherwise 2: layout (counts, scans, positions; above 4096 slots the last
+//                     block to finish does the cross-chunk scan, after a 4-byte memset) and pack
+//                     (each token read once, quantized once, written to each destination rank)
 //   capacity_drop     1 up to 4096 slots (one block sorts); above: keys, a torch sort, the drop
 //   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
 //   combine_pack      1
@@ -786,6 +787,7 @@ size_t route_smem_bytes(int64_t K, int64_t num_block_scales) { return (5 * K + 3
 
 // ---- small batches: each pack block routes its own token (no layout kernel, one launch) ----
 constexpr int64_t kSelfMaxSlots = 4096;
+constexpr int64_t kSelfMaxTokens = 512;  // every block scans every token: work grows as tokens^2
 constexpr int kSelfMaxK = 8;
 
 int64_t self_smem_bytes(int64_t TK, int64_t E, int64_t R, int64_t K) { return (TK + E + R + 1 + 3 * K) * 4; }
@@ -979,13 +981,15 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
   const int64_t t = blockIdx.x;
   const int64_t U = p.H / 16;
   const T* xrow = reinterpret_cast<const T*>(p.x) + t * p.H;
+  // self routing first: its counters and the row would not fit in registers together
+  if constexpr (SELF) route_token<IdxT, SELF>(p, t, s, smem);
   uint32_t w[UPT][Elem<T>::kWords];
 #pragma unroll
   for (int j = 0; j < UPT; ++j) {
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
     if (u < U) load_unit<T>(xrow, u, w[j]);
   }
-  route_token<IdxT, SELF>(p, t, s, smem);
+  if constexpr (!SELF) route_token<IdxT, SELF>(p, t, s, smem);  // overlaps the row's loads
 
   float q[UPT];
   float row_scale = 0.0f;
@@ -1245,7 +1249,8 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
     const uint4* src = reinterpret_cast<const uint4*>(row);
     constexpr int PB = 8;  // 16-byte loads in flight per lane
     uint4 buf[PB];
-    if (p.vec) {  // the payload's first batch does not depend on the routing fields: load it now
+    const bool early = p.vec && p.split == 1;  // split rows: only warps with targets read the payload
+    if (early) {  // the payload's first batch does not depend on the routing fields: load it now
 #pragma unroll
       for (int a = 0; a < PB; ++a)
         if (lane + a * 32 < U) buf[a] = __ldg(src + lane + a * 32);
@@ -1276,6 +1281,7 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
       ntgt += __popc(m);
     }
     __syncwarp();
+    if (part >= ntgt) continue;  // nothing of this row for this warp (uniform across the warp)
     for (int j = part; j < ntgt; j += p.split) {
       const int64_t n = s_tgt[j];
       for (int c = lane; c < p.ns; c += 32)
@@ -1284,7 +1290,7 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
     // payload: read once, written to each target
     if (p.vec) {
       for (int64_t v0 = lane; v0 < U; v0 += PB * 32) {
-        if (v0 != lane) {
+        if (v0 != lane || !early) {
 #pragma unroll
           for (int a = 0; a < PB; ++a)
             if (v0 + a * 32 < U) buf[a] = __ldg(src + v0 + a * 32);
@@ -1683,8 +1689,8 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   const size_t layout_smem = static_cast<size_t>(W) * cols * 4;
   const int64_t per_step = static_cast<int64_t>(W) * 32;
   const int64_t sms = num_sms(device);
-  // Up to W * 32 * kMaxLayoutSteps slots: one chunk, so no cross-block scan and no counter to clear
-  // (one block: no cross-block scan, no counter to clear, one launch less). Above: about one chunk per SM.
+  // Up to W * 32 * kMaxLayoutSteps slots one chunk (one block: no cross-block scan, no counter to
+  // clear, one launch less); above, about one chunk per SM.
   const int64_t one_chunk_steps = (TK + per_step - 1) / per_step;
   const int steps = static_cast<int>(one_chunk_steps <= kMaxLayoutSteps
       ? std::max<int64_t>(1, one_chunk_steps)
@@ -1695,14 +1701,14 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
 
   // Small batches (the host-bound regime): no layout kernel, each pack block routes its own token.
   const size_t route_bytes = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
-  const bool self = T > 0 && TK <= kSelfMaxSlots && K <= kSelfMaxK &&
-                    route_bytes + self_smem_bytes(TK, num_experts, R, K) <= static_cast<size_t>(kSmemDefault);
+  const bool self_route = T > 0 && T <= kSelfMaxTokens && TK <= kSelfMaxSlots && K <= kSelfMaxK &&
+                          route_bytes + self_smem_bytes(TK, num_experts, R, K) <= static_cast<size_t>(kSmemDefault);
 
   // scratch: [done counter, pad x3][rank_off R][chunk_off nchunks x cols][slot_rank 2 x TK] int32,
   // in the send buffer's allocation, after the rows (one allocation less per call)
   const int64_t slot_off = (4 + R + nchunks * cols + 1) / 2 * 2;
-  const int64_t send_bytes = (send_rows * L.bytes + 15) / 16 * 16;
-  auto send_alloc = at::empty({send_bytes + (self ? 0 : 4 * (slot_off + 2 * TK))}, x.options().dtype(at::kByte));
+  const int64_t send_bytes = send_rows * L.bytes;  // a multiple of kRowAlign: the scratch stays aligned
+  auto send_alloc = at::empty({send_bytes + (self_route ? 0 : 4 * (slot_off + 2 * TK))}, x.options().dtype(at::kByte));
   auto send = send_alloc.narrow(0, 0, send_rows * L.bytes).view({send_rows, L.bytes});
   int* sp = reinterpret_cast<int*>(send_alloc.data_ptr<uint8_t>() + send_bytes);
   LayoutParams lp{};
@@ -1724,7 +1730,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   lp.chunk_off = sp + 4 + R;
   lp.slot_rank = reinterpret_cast<int2*>(sp + slot_off);
   lp.counts = counts.data_ptr<int64_t>();
-  if (!self) {
+  if (!self_route) {
     if (nchunks > 1) C10_CUDA_CHECK(cudaMemsetAsync(lp.done, 0, sizeof(unsigned), stream));
     if (topk_idx.scalar_type() == at::kLong) {
       ensure_smem(dispatch_layout_kernel<int64_t>, layout_smem, device, "dispatch_pack layout");
@@ -1742,9 +1748,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.idx = topk_idx.data_ptr();
   p.w = topk_weights.data_ptr<float>();
   p.tscale = granularity == kTensor ? tensor_scale->data_ptr<float>() : nullptr;
-  p.slot_rank = lp.slot_rank;
-  p.chunk_off = lp.chunk_off;
-  p.rank_off = lp.rank_off;
+  p.slot_rank = self_route ? nullptr : lp.slot_rank;  // self routing reads no layout tables
+  p.chunk_off = self_route ? nullptr : lp.chunk_off;
+  p.rank_off = self_route ? nullptr : lp.rank_off;
   p.send = send.data_ptr<uint8_t>();
   p.send_pos = send_pos.data_ptr<int>();
   p.T = T;
@@ -1765,7 +1771,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.vec = H % 16 == 0 && aligned16(x.data_ptr());
   p.counts = counts.data_ptr<int64_t>();
   p.self_off = static_cast<int>(route_bytes);
-  const size_t smem = route_bytes + (self ? self_smem_bytes(TK, num_experts, R, K) : 0);
+  const size_t smem = route_bytes + (self_route ? self_smem_bytes(TK, num_experts, R, K) : 0);
   auto launch = [&](auto idx_tag, auto self_tag) {
     using IdxT = decltype(idx_tag);
     constexpr bool SELF = decltype(self_tag)::value;
@@ -1793,9 +1799,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
     });
   };
   const bool wide = topk_idx.scalar_type() == at::kLong;
-  if (wide && self) launch(int64_t{}, std::true_type{});
+  if (wide && self_route) launch(int64_t{}, std::true_type{});
   else if (wide) launch(int64_t{}, std::false_type{});
-  else if (self) launch(int32_t{}, std::true_type{});
+  else if (self_route) launch(int32_t{}, std::true_type{});
   else launch(int32_t{}, std::false_type{});
   return {send, counts, send_pos};
 }

@@ -82,11 +82,11 @@ def _row_bytes(hidden, topk):
         return ops.dispatch_row_bytes(hidden, ops.GRANULARITY["row"], topk), \
             ops.combine_row_bytes(hidden, torch.bfloat16, False, 0)
     except Exception:  # noqa: BLE001 - the formula of csrc/fp8_common.h, for a machine without the build
-        return _pad16(hidden + 4 + 5 * topk + 8), _pad16(2 * hidden)
+        return _pad_row((hidden + 3) // 4 * 4 + 4 + 12 * topk), _pad_row(2 * hidden)
 
 
-def _pad16(n):
-    return (n + 15) // 16 * 16
+def _pad_row(n):  # wire rows are padded to 128-byte lines (kRowAlign)
+    return (n + 127) // 128 * 128
 
 
 def distinct_ranks(ep: int, experts: int, topk: int) -> float:

@@ -17,8 +17,9 @@ fp8_wgrad=True (opt-in, lossy: relative error ~3e-2 against the BF16 dW for Gaus
 dW from FP8 operands: dY and x_hat quantized per (expert, column), since the GEMM reduces over each
 expert's rows, scales by the package rule (amax / 448 over the expert's rows), one
 torch._scaled_grouped_mm (2d x 2d, groups padded to 16 rows) on the 'scaled_grouped_mm' backend; the
-'reference' backend emulates the same roundings (_group_col_quant). The 'triton' backend, and a shape
-the op cannot take (out or in features not a multiple of 16), keep the BF16 dW.
+'reference' backend emulates the same roundings (_group_col_quant). The 'triton' backend, a machine
+without Triton, and a shape the op cannot take (out or in features not a multiple of 16) keep the
+BF16 dW, with a warning.
 
 Backends (backend=..., 'auto' picks the first that fits):
 - 'scaled_grouped_mm': torch._scaled_grouped_mm (CUDA sm_90+, row scales) with fast accumulation
@@ -218,6 +219,12 @@ def _ref_wgrad(g, x, offs, num_experts):
     return out
 
 
+@functools.lru_cache(None)
+def _warn_fp8_wgrad_unavailable(backend):
+    warnings.warn(f"fp8a2a: fp8_wgrad needs the 'scaled_grouped_mm' backend with Triton; backend {backend!r} "
+                  "computes the BF16 weight gradient", RuntimeWarning, stacklevel=4)
+
+
 def _warn_refused(err, fallback="the Triton grouped GEMM"):
     warnings.warn(f"fp8a2a: torch._scaled_grouped_mm refused this shape ({err}); using {fallback}",
                   RuntimeWarning, stacklevel=3)
@@ -296,20 +303,29 @@ def _wgrad_fp8_reference(g, x_hat, offs, num_experts):
     return _ref_wgrad(gq.float() * gs[gid], xq.float() * xs[gid], offs, num_experts)
 
 
-def _wgrad_fp8(cfg, g, xq, xs, offs):
-    """bf16 [E, N, K] = g_e^T @ x_hat_e from e4m3 operands quantized per (expert, column), one
-    torch._scaled_grouped_mm; None where the op cannot take the shape (the caller uses BF16)."""
-    (M, N), K, G = g.shape, xq.shape[1], offs.shape[0]
-    key = ("wgrad", N, K, torch.cuda.get_device_capability(g.device))
-    if N % 16 or K % 16 or key in _SGMM_REFUSED:
-        return None
-    # every group padded to a multiple of 16 rows (the op's rule), an empty one to 16 zero rows;
-    # on the device (no host sync), into a buffer of static size
+def _wgrad_padding(offs, rows):
+    """(padded group ends int32 [G], static row bound) of the FP8 weight gradient's operands: every
+    group padded to a multiple of 16 rows (torch._scaled_grouped_mm's rule), an empty one to 16 zero
+    rows; computed on the device (no host sync) into a buffer of static size."""
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     pad_offs = torch.cumsum(((counts + 15) // 16 * 16).clamp_min(16), 0, dtype=torch.int32)
-    mpad = (M + 15) // 16 * 16 + 16 * G
-    a, sa = _tk().group_col_quant_t(g, offs, pad_offs, mpad)  # g^T [N, mpad]
-    bt, sb = _tk().group_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [K, mpad]
+    return pad_offs, (rows + 15) // 16 * 16 + 16 * offs.shape[0]
+
+
+def _wgrad_fp8(cfg, g, xq, xs, offs):
+    """bf16 [E, out_f, in_f] = g_e^T @ x_hat_e from e4m3 operands quantized per (expert, column), one
+    torch._scaled_grouped_mm; None where the op cannot take the shape (the caller uses BF16)."""
+    (M, out_f), in_f = g.shape, xq.shape[1]
+    key = ("wgrad", out_f, in_f, torch.cuda.get_device_capability(g.device))
+    if key in _SGMM_REFUSED:
+        return None
+    if out_f % 16 or in_f % 16:
+        _SGMM_REFUSED.add(key)
+        _warn_refused(f"features {out_f} x {in_f} not multiples of 16", "the BF16 weight gradient")
+        return None
+    pad_offs, mpad = _wgrad_padding(offs, M)
+    a, sa = _tk().group_col_quant_t(g, offs, pad_offs, mpad)  # g^T [out_f, mpad]
+    bt, sb = _tk().group_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [in_f, mpad]
     try:
         return torch._scaled_grouped_mm(a, bt.t(), sa, sb, offs=pad_offs, out_dtype=torch.bfloat16,
                                         use_fast_accum=cfg.fast_accum)
@@ -333,6 +349,8 @@ def _wgrad(cfg, g, xq, xs, offs, weight):
         dw = _wgrad_fp8(cfg, g, xq, xs, offs)
         if dw is not None:
             return dw.to(weight.dtype)
+    elif cfg.fp8_wgrad:
+        _warn_fp8_wgrad_unavailable(cfg.backend)
     if cfg.backend == "reference":
         return _ref_wgrad(g, _dequant(xq, xs), offs, E).to(weight.dtype)
     if hasattr(torch, "_grouped_mm") and not TRITON_BACKWARD:

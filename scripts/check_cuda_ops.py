@@ -402,6 +402,10 @@ def check_dispatch(run: Runner):
         (700, 2048, 4, 2, 8, torch.float32, 1, {"capacity": True}),
         (300, 2048, 4, 4, 16, torch.bfloat16, RAW, {"capacity": True}),
         (64, 2048, 8, 8, 2048, torch.bfloat16, 0, {}),  # many experts: fewer layout warps
+        # one-block layout kernel (small, but not routed by the pack blocks themselves):
+        (200, 1024, 16, 8, 64, torch.bfloat16, 0, {"bad": True}),  # top-k above 8
+        (40, 1024, 8, 4, 16384, torch.bfloat16, 0, {}),  # expert tables too large for shared memory
+        (600, 1024, 4, 4, 32, torch.bfloat16, 1, {"capacity": True}),  # more than 512 tokens
         (16384, 7168, 8, 8, 256, torch.bfloat16, 0, {"sources": 1}),  # the benchmark shape
     ]
     for t, h, k, r, e, dtype, gran, extra in cases:

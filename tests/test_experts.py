@@ -407,12 +407,6 @@ def test_gpu_fp8_dgrad(backend):
           TOL[backend])
 
 
-def _pad_offs(offs):
-    """The FP8 wgrad's padded group ends, as experts._wgrad_fp8 computes them."""
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    return torch.cumsum(((counts + 15) // 16 * 16).clamp_min(16), 0, dtype=torch.int32)
-
-
 @gpu
 @pytest.mark.parametrize("tpe", [GPU_TPE, [0, 40, 0]], ids=["uneven", "empty_ends"])
 @pytest.mark.parametrize("source", ["bf16", "row", "block128", "tensor"])
@@ -431,8 +425,7 @@ def test_gpu_group_col_quant_t_equals_the_emulation(source, tpe):
         x, sx = quantize_reference(v, source)
         sx = sx.reshape(1).expand(M) if source == "tensor" else sx
         ref_q, ref_s = experts._group_col_quant(experts._dequant(x, sx), offs)
-    pad_offs = _pad_offs(offs)
-    mpad = (M + 15) // 16 * 16 + 16 * G
+    pad_offs, mpad = experts._wgrad_padding(offs, M)
     data, scale = tk.group_col_quant_t(x, offs, pad_offs, mpad, sx=sx)
     assert data.shape == (C, mpad) and torch.equal(scale.view(G, C), ref_s)
     bounds, pads = [0] + offs.tolist(), [0] + pad_offs.tolist()
