@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Where the time goes (one GPU): torch-profiler tables for the slow spots the benchmarks show.
 
-    python scripts/profile_gpu.py [moe_layer] [experts] [pack_host] [dispatch_host] [pack_device]
+    python scripts/profile_gpu.py [moe_layer] [experts] [pack_device] [capacity_step] [pack_host] [dispatch_host]
     ncu --clock-control none -k regex:dispatch_ python scripts/profile_gpu.py pack_calls
 
 moe_layer: one fp8a2a MoE-layer step (dispatch -> FP8GroupedMLP -> combine, forward + backward; default,
-fp8_dgrad, fp8_dgrad + fp8_wgrad) at
-the DeepSeek-V3 shape of scripts/bench_moe_layer.py, kernels by GPU time.
+fp8_dgrad, fp8_dgrad + fp8_wgrad) at the DeepSeek-V3 shape of scripts/bench_moe_layer.py, kernels by
+GPU time.
 experts: FP8GroupedMLP forward + backward at 8 experts x 2048 rows, 7168 -> 2048 (default and
 fp8_dgrad), kernels by GPU time.
 pack_device: dispatch_pack's two kernels (layout, pack) at bench_kernels' size, next to a write-only
