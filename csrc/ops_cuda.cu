@@ -296,6 +296,19 @@ __device__ __forceinline__ int64_t load_idx<int32_t>(const int32_t* p) {
   return static_cast<int64_t>(__ldg(reinterpret_cast<const int*>(p)));
 }
 
+// Programmatic dependent launch (sm_90+): the pack kernel is launched while the layout kernel runs;
+// it loads and quantizes its row, then waits here for the layout before reading its tables.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host helpers
 // ---------------------------------------------------------------------------------------------
@@ -322,6 +335,32 @@ void ensure_smem(Kernel kernel, size_t bytes, int device, const char* what) {
   TORCH_CHECK(bytes <= static_cast<size_t>(max_smem_optin(device)), "fp8a2a: ", what, " needs ", bytes,
               " bytes of shared memory, more than this GPU offers (too many ranks/experts/top-k for the CUDA kernel)");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+// launch_kernel: kernel<<<grid, threads, smem, stream>>>(args...); with `after_prior` (sm_90+) as a
+// programmatic dependent launch: it may start before the previous kernel in the stream ends and
+// must call wait_prior_grid() before reading that kernel's results.
+template <typename... Args>
+void launch_kernel(void (*kernel)(Args...), int64_t grid, int threads, size_t smem, cudaStream_t stream, bool after_prior,
+            Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = after_prior ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+int compute_major(int device) {
+  static int cache[256] = {0};
+  if (device < 0 || device >= 256) return 0;
+  if (cache[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device));
+  return cache[device];
 }
 
 __host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -600,6 +639,7 @@ template <typename IdxT>
 __global__ void __launch_bounds__(512) dispatch_layout_kernel(LayoutParams p) {
   extern __shared__ int hist[];  // [W, cols]
   __shared__ bool s_last;
+  allow_dependent_grid();  // the pack kernel may start loading rows now
   const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int cols = p.cols;
   const IdxT* idx = reinterpret_cast<const IdxT*>(p.idx);
@@ -937,8 +977,12 @@ __device__ __forceinline__ void load_routing(const PackParams& p, int64_t t, con
 // The routing of token t: from the layout kernel's tables, or counted by this block (SELF).
 template <typename IdxT, bool SELF>
 __device__ __forceinline__ void route_token(const PackParams& p, int64_t t, const RouteSmem& s, unsigned char* smem) {
-  if constexpr (SELF) self_routing<IdxT>(p, t, s, smem);
-  else load_routing<IdxT>(p, t, s);
+  if constexpr (SELF) {
+    self_routing<IdxT>(p, t, s, smem);
+  } else {
+    wait_prior_grid();  // the layout kernel's tables are complete
+    load_routing<IdxT>(p, t, s);
+  }
 }
 
 // send_pos[t, r]: the send row of token t for rank r, or -1.
@@ -971,6 +1015,15 @@ __device__ __forceinline__ uint32_t dispatch_tail_word(const PackParams& p, int6
     return s.rank[k] == r ? static_cast<uint32_t>(s.pos[k]) : 0xffffffffu;
   }
   return 0u;
+}
+
+// The tail of one send row for rank r (bytes [H, row_bytes)): zeros up to scale_off, then the
+// words of dispatch_tail_word; thread i of n writes every n-th byte / word (coalesced).
+__device__ __forceinline__ void write_dispatch_tail(const PackParams& p, uint8_t* dst, int r, float row_scale,
+                                                    const RouteSmem& s, int i, int n) {
+  for (int64_t h = p.H + i; h < p.scale_off; h += n) dst[h] = 0;
+  for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(i); off < p.row_bytes; off += 4 * static_cast<int64_t>(n))
+    *reinterpret_cast<uint32_t*>(dst + off) = dispatch_tail_word(p, off, r, row_scale, s);
 }
 
 // H % 16 == 0, 16-byte aligned x: UPT units of 16 elements per thread.
@@ -1034,26 +1087,19 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
   }
   write_send_pos(p, t, s);
 
-  const int64_t tail_vecs = (p.row_bytes - p.H) / 16;
+  // row n's tail is written by warp n % warps, so no warp computes every tail
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int n = 0;
   for (int k = 0; k < p.K; ++k) {
     const int row = s.row[k];
     if (row < 0) continue;
-    const int r = s.rank[k];
     uint8_t* dst = p.send + static_cast<int64_t>(row) * p.row_bytes;
 #pragma unroll
     for (int j = 0; j < UPT; ++j) {
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
       if (u < U) reinterpret_cast<uint4*>(dst)[u] = out[j];
     }
-    for (int64_t v = threadIdx.x; v < tail_vecs; v += blockDim.x) {
-      const int64_t off = p.H + 16 * v;
-      uint4 o;
-      o.x = dispatch_tail_word(p, off, r, row_scale, s);
-      o.y = dispatch_tail_word(p, off + 4, r, row_scale, s);
-      o.z = dispatch_tail_word(p, off + 8, r, row_scale, s);
-      o.w = dispatch_tail_word(p, off + 12, r, row_scale, s);
-      reinterpret_cast<uint4*>(dst + p.H)[v] = o;
-    }
+    if (warp == n++ % nwarps) write_dispatch_tail(p, dst, s.rank[k], row_scale, s, threadIdx.x & 31, 32);
   }
 }
 
@@ -1101,9 +1147,7 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
       const float qh = p.gran == kBlock128 ? quant_multiplier(s.amax[h / kBlock]) : q;
       dst[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), qh));
     }
-    for (int64_t h = H + threadIdx.x; h < p.scale_off; h += blockDim.x) dst[h] = 0;
-    for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
-      *reinterpret_cast<uint32_t*>(dst + off) = dispatch_tail_word(p, off, r, row_scale, s);
+    write_dispatch_tail(p, dst, r, row_scale, s, threadIdx.x, blockDim.x);
   }
 }
 
@@ -1139,9 +1183,7 @@ __global__ void __launch_bounds__(512) dispatch_pack_raw_kernel(PackParams p) {
     if (row < 0) continue;
     const int r = s.rank[k];
     uint8_t* dst = p.send + static_cast<int64_t>(row) * p.row_bytes;
-    for (int64_t h = H + threadIdx.x; h < p.scale_off; h += blockDim.x) dst[h] = 0;
-    for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
-      *reinterpret_cast<uint32_t*>(dst + off) = dispatch_tail_word(p, off, r, 0.0f, s);
+    write_dispatch_tail(p, dst, r, 0.0f, s, threadIdx.x, blockDim.x);
   }
 }
 
@@ -1772,30 +1814,26 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.counts = counts.data_ptr<int64_t>();
   p.self_off = static_cast<int>(route_bytes);
   const size_t smem = route_bytes + (self_route ? self_smem_bytes(TK, num_experts, R, K) : 0);
+  // after the layout kernel, the pack kernel starts early (loads and quantizes, then waits for it)
+  const bool after_layout = !self_route && compute_major(device) >= 9;
+  auto launch_pack = [&](auto kernel, int threads) {
+    ensure_smem(kernel, smem, device, "dispatch_pack");
+    launch_kernel(kernel, T, threads, smem, stream, after_layout, p);
+  };
   auto launch = [&](auto idx_tag, auto self_tag) {
     using IdxT = decltype(idx_tag);
     constexpr bool SELF = decltype(self_tag)::value;
     if (granularity == kRaw) {
-      ensure_smem(dispatch_pack_raw_kernel<IdxT, SELF>, smem, device, "dispatch_pack");
-      const int threads = static_cast<int>(std::min<int64_t>(512, round_up32(p.vec ? H / 16 : H)));
-      dispatch_pack_raw_kernel<IdxT, SELF><<<T, threads, smem, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_pack(dispatch_pack_raw_kernel<IdxT, SELF>,
+                  static_cast<int>(std::min<int64_t>(512, round_up32(p.vec ? H / 16 : H))));
       return;
     }
     const int64_t U = H / 16;
     const int upt = p.vec ? units_per_thread(U, /*prefer2=*/true) : 0;
     FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "dispatch_pack", [&] {
-      if (upt == 1) {
-        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 1, SELF>, smem, device, "dispatch_pack");
-        dispatch_pack_vec_kernel<scalar_t, IdxT, 1, SELF><<<T, threads_for(U, 1), smem, stream>>>(p);
-      } else if (upt == 2) {
-        ensure_smem(dispatch_pack_vec_kernel<scalar_t, IdxT, 2, SELF>, smem, device, "dispatch_pack");
-        dispatch_pack_vec_kernel<scalar_t, IdxT, 2, SELF><<<T, threads_for(U, 2), smem, stream>>>(p);
-      } else {
-        ensure_smem(dispatch_pack_scalar_kernel<scalar_t, IdxT, SELF>, smem, device, "dispatch_pack");
-        dispatch_pack_scalar_kernel<scalar_t, IdxT, SELF><<<T, 256, smem, stream>>>(p);
-      }
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (upt == 1) launch_pack(dispatch_pack_vec_kernel<scalar_t, IdxT, 1, SELF>, threads_for(U, 1));
+      else if (upt == 2) launch_pack(dispatch_pack_vec_kernel<scalar_t, IdxT, 2, SELF>, threads_for(U, 2));
+      else launch_pack(dispatch_pack_scalar_kernel<scalar_t, IdxT, SELF>, 256);
     });
   };
   const bool wide = topk_idx.scalar_type() == at::kLong;
