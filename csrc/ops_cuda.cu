@@ -14,9 +14,11 @@
 //   dequantize        1
 //   dispatch_pack     1 up to 512 tokens, 4096 slots and top-8 (and its tables within 48 KB of
 //                     shared memory): pack, each block routing its own token (self_routing).
-//                     Otherwise 2: layout (counts, scans, positions; above 4096 slots the last
-//                     block to finish does the cross-chunk scan, after a 4-byte memset) and pack
-//                     (each token read once, quantized once, written to each destination rank)
+//                     Otherwise 2 up to 4096 slots, else 3: layout (per-chunk counts and positions),
+//                     scan (the chunk totals scanned over chunks, counts, rank offsets) and pack
+//                     (each token read once, quantized once, written to each destination rank);
+//                     each launched early after the one before (programmatic dependent launch,
+//                     sm_90+): the pack blocks load and quantize their rows while the layout runs.
 //   capacity_drop     1 up to 4096 slots (one block sorts); above: keys, a torch sort, the drop
 //   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
 //   combine_pack      1
@@ -26,8 +28,9 @@
 // over a rank's capacity are not written (send_pos -1).
 //
 // Measured on one H200 (T=16384, H=7168, K=8, R=8, E=256, bf16; scripts/bench_kernels.py,
-// BENCHMARKS.md): dispatch_pack ~290 us (layout ~21 us + pack ~250 us; 0.75-0.78 of a copy of the
-// same bytes), the write-heavy kernels near 3.0 TB/s, the others at copy bandwidth.
+// BENCHMARKS.md): dispatch_pack 0.244 ms (layout 8.5 us, scan and pack overlapping it; pack alone
+// 229 us, as fast as scripts/pack_roofline.cu's kernel with precomputed destinations): 0.86 of a
+// copy of the same bytes; the others at 0.76-1.07 of copy bandwidth.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -296,8 +299,10 @@ __device__ __forceinline__ int64_t load_idx<int32_t>(const int32_t* p) {
   return static_cast<int64_t>(__ldg(reinterpret_cast<const int*>(p)));
 }
 
-// Programmatic dependent launch (sm_90+): the pack kernel is launched while the layout kernel runs;
-// it loads and quantizes its row, then waits here for the layout before reading its tables.
+// Programmatic dependent launch (sm_90+): a kernel launched with launch_kernel(..., after_prior)
+// may start while the previous one runs (once that one calls allow_dependent_grid); it waits in
+// wait_prior_grid() before reading that kernel's results. The pack blocks load and quantize their
+// rows before waiting for the layout; elsewhere (and before sm_90) both are no-ops.
 __device__ __forceinline__ void wait_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
