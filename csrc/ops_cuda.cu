@@ -1809,27 +1809,27 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   auto send_alloc = at::empty({send_bytes + (self_route ? 0 : 4 * (slot_off + 2 * TK))}, x.options().dtype(at::kByte));
   auto send = send_alloc.narrow(0, 0, send_rows * L.bytes).view({send_rows, L.bytes});
   int* sp = reinterpret_cast<int*>(send_alloc.data_ptr<uint8_t>() + send_bytes);
-  LayoutParams lp{};
-  lp.idx = topk_idx.data_ptr();
-  lp.TK = TK;
-  lp.K = static_cast<int>(K);
-  lp.E = static_cast<int>(num_experts);
-  lp.El = static_cast<int>(El);
-  lp.R = static_cast<int>(R);
-  lp.cols = static_cast<int>(cols);
-  lp.chunk_slots = static_cast<int>(chunk_slots);
-  lp.steps = steps;
-  lp.nchunks = static_cast<int>(nchunks);
-  lp.H = H;
-  lp.gran = granularity;
-  lp.cap = rank_capacity;
-  lp.rank_off = sp;
-  lp.chunk_off = sp + R;
-  lp.slot_rank = reinterpret_cast<int2*>(sp + slot_off);
-  lp.counts = counts.data_ptr<int64_t>();
   // the kernels after the layout kernel start early and wait for it (programmatic dependent launch)
   const bool pdl = compute_major(device) >= 9;
+  LayoutParams lp{};  // all null on the self-routed path: no layout tables
   if (!self_route) {
+    lp.idx = topk_idx.data_ptr();
+    lp.TK = TK;
+    lp.K = static_cast<int>(K);
+    lp.E = static_cast<int>(num_experts);
+    lp.El = static_cast<int>(El);
+    lp.R = static_cast<int>(R);
+    lp.cols = static_cast<int>(cols);
+    lp.chunk_slots = static_cast<int>(chunk_slots);
+    lp.steps = steps;
+    lp.nchunks = static_cast<int>(nchunks);
+    lp.H = H;
+    lp.gran = granularity;
+    lp.cap = rank_capacity;
+    lp.rank_off = sp;
+    lp.chunk_off = sp + R;
+    lp.slot_rank = reinterpret_cast<int2*>(sp + slot_off);
+    lp.counts = counts.data_ptr<int64_t>();
     if (topk_idx.scalar_type() == at::kLong) {
       ensure_smem(dispatch_layout_kernel<int64_t>, layout_smem, device, "dispatch_pack layout");
       dispatch_layout_kernel<int64_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
@@ -1849,9 +1849,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.idx = topk_idx.data_ptr();
   p.w = topk_weights.data_ptr<float>();
   p.tscale = granularity == kTensor ? tensor_scale->data_ptr<float>() : nullptr;
-  p.slot_rank = self_route ? nullptr : lp.slot_rank;  // self routing reads no layout tables
-  p.chunk_off = self_route ? nullptr : lp.chunk_off;
-  p.rank_off = self_route ? nullptr : lp.rank_off;
+  p.slot_rank = lp.slot_rank;  // null when self-routed
+  p.chunk_off = lp.chunk_off;
+  p.rank_off = lp.rank_off;
   p.send = send.data_ptr<uint8_t>();
   p.send_pos = send_pos.data_ptr<int>();
   p.T = T;

@@ -200,42 +200,41 @@ def _act(g, u, ACT: tl.constexpr):
 
 
 @triton.jit
+def _act_chunk(zr, zs_row, off, F, w, ACT: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """(act(z) * w for columns off .. off + BLOCK of a row (0 past F), their mask)."""
+    c = off + tl.arange(0, BLOCK)
+    ok = c < F
+    g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
+    if Z_BLOCK:  # z is e4m3 with 128-block scales (block128 -> row conversion)
+        g = g * tl.load(zs_row + c // 128, mask=ok, other=0.0)
+    u = g
+    if ACT == 1:
+        u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
+    return _act(g, u, ACT) * w, ok
+
+
+@triton.jit
 def _act_quant_kernel(z_ptr, w_ptr, zs_ptr, q_ptr, s_ptr, F, s_z, s_zs, s_q,
                       ACT: tl.constexpr, HAS_W: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     zr = z_ptr + row * s_z
+    zs_row = zs_ptr + row * s_zs
     qr = q_ptr + row * s_q
     w = 1.0
     if HAS_W:
         w = tl.load(w_ptr + row).to(tl.float32)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(0, F, BLOCK):
-        c = off + tl.arange(0, BLOCK)
-        ok = c < F
-        g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
-        if Z_BLOCK:  # z is e4m3 with 128-block scales (block128 -> row conversion)
-            g = g * tl.load(zs_ptr + row * s_zs + c // 128, mask=ok, other=0.0)
-        u = g
-        if ACT == 1:
-            u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
-        h = _act(g, u, ACT) * w
+    for off in range(0, F, BLOCK):  # pass 1: the row's amax
+        h, ok = _act_chunk(zr, zs_row, off, F, w, ACT, Z_BLOCK, BLOCK)
         amax = tl.maximum(amax, tl.where(ok, tl.abs(h), 0.0))
     a = tl.max(amax, axis=0)
     zero = a == 0.0
     a1 = tl.where(zero, 1.0, a)
     qmul = tl.where(zero, 1.0, tl.math.div_rn(448.0, a1))
     scale = tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
-    for off in range(0, F, BLOCK):
-        c = off + tl.arange(0, BLOCK)
-        ok = c < F
-        g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
-        if Z_BLOCK:
-            g = g * tl.load(zs_ptr + row * s_zs + c // 128, mask=ok, other=0.0)
-        u = g
-        if ACT == 1:
-            u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
-        h = _act(g, u, ACT) * w
-        tl.store(qr + c, (h * qmul).to(tl.float8e4nv), mask=ok)
+    for off in range(0, F, BLOCK):  # pass 2: recompute (cheaper than keeping the row) and quantize
+        h, ok = _act_chunk(zr, zs_row, off, F, w, ACT, Z_BLOCK, BLOCK)
+        tl.store(qr + off + tl.arange(0, BLOCK), (h * qmul).to(tl.float8e4nv), mask=ok)
     tl.store(s_ptr + row, scale)
 
 
