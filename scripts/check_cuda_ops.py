@@ -397,7 +397,7 @@ def check_dispatch(run: Runner):
         (100, 40960, 2, 2, 8, torch.bfloat16, 0, {}),  # wider than the vector kernels
         (2500, 4096, 8, 8, 256, torch.bfloat16, 0, {"bad": True}),  # many layout chunks
         (2500, 1024, 8, 8, 256, torch.bfloat16, 0, {"idx_dtype": torch.int32}),
-        (2500, 1024, 8, 64, 256, torch.bfloat16, 0, {"sources": 1}),  # many chunks, rank offsets of > 32 ranks
+        (2500, 1024, 8, 64, 256, torch.bfloat16, 0, {"sources": 1}),  # many chunks, rank offsets of > 32 ranks (several groups of 32)
         (3000, 512, 6, 4, 64, torch.float16, 1, {}),  # chunks with tokens straddling warps
         (1500, 1024, 8, 8, 64, torch.bfloat16, 0, {"capacity": True}),
         (700, 2048, 4, 2, 8, torch.float32, 1, {"capacity": True}),
