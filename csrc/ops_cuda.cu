@@ -359,11 +359,20 @@ void launch_kernel(void (*kernel)(Args...), int64_t grid, int threads, size_t sm
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
-int compute_major(int device) {
-  static int cache[256] = {0};
-  if (device < 0 || device >= 256) return 0;
-  if (cache[device] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cache[device], cudaDevAttrComputeCapabilityMajor, device));
-  return cache[device];
+// Whether kernel may be launched early (programmatic dependent launch): an sm_90+ device running
+// code compiled for sm_90+ (code from older PTX has no griddepcontrol: it would not wait).
+template <typename Kernel>
+bool early_launch_ok(Kernel kernel, int device) {
+  static int cache[256] = {0};  // 1 yes, 2 no
+  if (device < 0 || device >= 256) return false;
+  if (cache[device] == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    cache[device] = major >= 9 && attr.ptxVersion >= 90 ? 1 : 2;
+  }
+  return cache[device] == 1;
 }
 
 __host__ __device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -958,14 +967,14 @@ __device__ __forceinline__ void load_routing(const PackParams& p, int64_t t, con
       const int ei = static_cast<int>(e);
       rank = ei / p.El;
       le = ei - rank * p.El;
-      const int2 sr = p.slot_rank[slot];
+      const int2 sr = __ldcg(p.slot_rank + slot);  // L2 loads: the layout kernel wrote these after this block began
       const int* co = p.chunk_off + (slot / p.chunk_slots) * p.cols;
-      pos = __ldg(co + ei) + sr.x;
+      pos = __ldcg(co + ei) + sr.x;
       if (sr.y >= 0) {
-        const int local = __ldg(co + p.E + rank) + sr.y;  // row among this rank's rows
+        const int local = __ldcg(co + p.E + rank) + sr.y;  // row among this rank's rows
         // Capacity mode: a rank over its capacity is a caller bug (ops_cpu.cpp raises); its
         // extra rows are not written and their send_pos stays -1.
-        if (p.cap == 0 || local < p.cap) row = __ldg(p.rank_off + rank) + local;
+        if (p.cap == 0 || local < p.cap) row = __ldcg(p.rank_off + rank) + local;
       }
       wt = __ldg(p.w + slot);
     }
@@ -1818,7 +1827,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.self_off = static_cast<int>(route_bytes);
   const size_t smem = route_bytes + (self_route ? self_smem_bytes(TK, num_experts, R, K) : 0);
   // after the layout kernel, the pack kernel starts early (loads and quantizes, then waits for it)
-  const bool after_layout = !self_route && compute_major(device) >= 9;
+  const bool after_layout = !self_route && early_launch_ok(dispatch_layout_kernel<int64_t>, device);
   auto launch_pack = [&](auto kernel, int threads) {
     ensure_smem(kernel, smem, device, "dispatch_pack");
     launch_kernel(kernel, T, threads, smem, stream, after_layout, p);
