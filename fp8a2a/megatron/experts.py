@@ -145,29 +145,28 @@ def _swap_class(obj):
     return None
 
 
+def _swap_experts_class(cls, inside_moe: bool, found: list):
+    """cls, or its FP8 counterpart when it is the experts class of an MoE submodules (recorded in found)."""
+    new = _swap_class(cls) if inside_moe else None
+    if new is None:
+        return cls
+    found.append(new)
+    return new
+
+
 def _swap(obj, inside_moe: bool, found: list):
     """A copy of a spec object with the experts of every MoE submodules replaced."""
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if isinstance(obj, ModuleSpec):
-        module = obj.module
-        if inside_moe:
-            new = _swap_class(module)
-            if new is not None:
-                found.append(new)
-                module = new
+        module = _swap_experts_class(obj.module, inside_moe, found)
         sub = _swap(obj.submodules, False, found) if obj.submodules is not None else None
         if module is obj.module and sub is obj.submodules:
             return obj
         return dataclasses.replace(obj, module=module, submodules=sub)
     if isinstance(obj, functools.partial):
-        func = obj.func
-        if inside_moe:
-            new = _swap_class(func)
-            if new is not None:
-                found.append(new)
-                func = new
+        func = _swap_experts_class(obj.func, inside_moe, found)
         args = tuple(_swap(a, False, found) for a in obj.args)
         kw = {k: _swap(v, False, found) for k, v in obj.keywords.items()}
         if func is obj.func and all(a is b for a, b in zip(args, obj.args)) and \
