@@ -9,8 +9,9 @@ fp8_dgrad, fp8_dgrad + fp8_wgrad) at the DeepSeek-V3 shape of scripts/bench_moe_
 GPU time.
 experts: FP8GroupedMLP forward + backward at 8 experts x 2048 rows, 7168 -> 2048 (default and
 fp8_dgrad), kernels by GPU time.
-pack_device: dispatch_pack's two kernels (layout, pack) at bench_kernels' size, next to a write-only
-fill of the send buffer and the raw (unquantized, read once write per rank) pack: what bounds the op.
+pack_device: dispatch_pack's two kernels (layout, pack) at bench_kernels' size, next to torch's fill_
+of the send buffer (slow: 0.8 of copy; scripts/pack_roofline.cu times fills that reach copy speed and
+the op's memory pattern without layout work) and the raw (unquantized, read once write per rank) pack.
 capacity_step: kernels of one capacity-mode dispatch + combine at 128 tokens (bench_dispatch's graph step).
 pack_calls: a few bare dispatch_pack calls at that size, for ncu.
 pack_host: the host side of dispatch_pack at 256 x 4096 (CPU time per runtime call and op).
