@@ -344,8 +344,8 @@ void ensure_smem(Kernel kernel, size_t bytes, int device, const char* what) {
 // programmatic dependent launch: it may start before the previous kernel in the stream ends and
 // must call wait_prior_grid() before reading that kernel's results.
 template <typename... Args>
-void launch_kernel(void (*kernel)(Args...), int64_t grid, int threads, size_t smem, cudaStream_t stream, bool after_prior,
-            Args... args) {
+void launch_kernel(void (*kernel)(Args...), int64_t grid, int threads, size_t smem, cudaStream_t stream,
+                   bool after_prior, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(threads);
