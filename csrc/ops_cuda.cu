@@ -14,11 +14,11 @@
 //   dequantize        1
 //   dispatch_pack     1 up to 512 tokens, 4096 slots and top-8 (and its tables within 48 KB of
 //                     shared memory): pack, each block routing its own token (self_routing).
-//                     Otherwise 2: layout (counts, scans, positions; above 4096 slots the last
-//                     block to finish does the cross-chunk scan, after a 4-byte memset) and pack
-//                     (each token read once, quantized once, written to each destination rank),
-//                     launched early (programmatic dependent launch, sm_90+): its blocks load and
-//                     quantize their rows while the layout runs, then wait for its tables.
+//                     Otherwise 2 up to 4096 slots, else 3: layout (per-chunk counts and positions),
+//                     scan (the chunk totals scanned over chunks, counts, rank offsets) and pack
+//                     (each token read once, quantized once, written to each destination rank);
+//                     each launched early after the one before (programmatic dependent launch,
+//                     sm_90+): the pack blocks load and quantize their rows while the layout runs.
 //   capacity_drop     1 up to 4096 slots (one block sorts); above: keys, a torch sort, the drop
 //   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
 //   combine_pack      1
@@ -28,9 +28,9 @@
 // over a rank's capacity are not written (send_pos -1).
 //
 // Measured on one H200 (T=16384, H=7168, K=8, R=8, E=256, bf16; scripts/bench_kernels.py,
-// BENCHMARKS.md): dispatch_pack 0.253 ms, 0.83 of a copy of the same bytes (layout ~21 us, most of
-// it its last block's serial scan; pack 229 us, as fast as scripts/pack_roofline.cu's kernel with
-// precomputed destinations); the others at 0.76-1.07 of copy bandwidth.
+// BENCHMARKS.md): dispatch_pack 0.244 ms (layout 8.5 us, scan and pack overlapping it; pack alone
+// 229 us, as fast as scripts/pack_roofline.cu's kernel with precomputed destinations): 0.86 of a
+// copy of the same bytes; the others at 0.76-1.07 of copy bandwidth.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -299,8 +299,10 @@ __device__ __forceinline__ int64_t load_idx<int32_t>(const int32_t* p) {
   return static_cast<int64_t>(__ldg(reinterpret_cast<const int*>(p)));
 }
 
-// Programmatic dependent launch (sm_90+): the pack kernel is launched while the layout kernel runs;
-// it loads and quantizes its row, then waits here for the layout before reading its tables.
+// Programmatic dependent launch (sm_90+): a kernel launched with launch_kernel(..., after_prior)
+// may start while the previous one runs (once that one calls allow_dependent_grid); it waits in
+// wait_prior_grid() before reading that kernel's results. The pack blocks load and quantize their
+// rows before waiting for the layout; elsewhere (and before sm_90) both are no-ops.
 __device__ __forceinline__ void wait_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -641,17 +643,50 @@ struct LayoutParams {
   int K, E, El, R, cols, chunk_slots, steps, nchunks;
   int64_t H, gran, cap;  // cap: rank_capacity (capacity mode), 0 compact
   int2* slot_rank;  // [TK]: (position within (rank, expert) in the chunk, or -1; row within rank in the chunk, or -1)
-  int* chunk_off;   // [nchunks, cols]: chunk totals, then exclusive prefix over chunks
+  int* chunk_tot;   // [nchunks, cols]: chunk totals (layout kernel)
+  int* chunk_off;   // [nchunks, cols]: exclusive prefix of the totals over chunks (scan kernel)
   int* rank_off;    // [R]: first send row of each rank
-  int64_t* counts;  // [R, 4 + El]
-  unsigned* done;
+  int64_t* counts;  // [R, kColExperts + El]
 };
+
+// counts[r, :] entries of column col of the layout (expert, rank rows, bad ids) from its total;
+// the bad-ids column also writes the header columns.
+__device__ __forceinline__ void write_count_column(const LayoutParams& p, int col, int total) {
+  const int C = kColExperts + p.El;
+  if (col < p.E) {
+    const int r = col / p.El;
+    p.counts[r * C + kColExperts + (col - r * p.El)] = total;
+  } else if (col < p.E + p.R) {
+    p.counts[(col - p.E) * C + kColRows] = total;
+  } else {
+    for (int r = 0; r < p.R; ++r) {
+      int64_t* row = p.counts + static_cast<int64_t>(r) * C;
+      row[kColHidden] = p.H;
+      row[kColTopk] = p.K;
+      row[kColBadIds] = total;
+      row[kColWire] = p.gran;
+    }
+  }
+}
+
+// rank_off of ranks base + lane (lane < 32 of one warp; v: that rank's rows, 0 past the last rank):
+// the rows of lower ranks (carry: those below base), or r * capacity. Returns the carry for base + 32.
+__device__ __forceinline__ int write_rank_offsets(const LayoutParams& p, int base, int v, int carry) {
+  const int lane = threadIdx.x & 31, r = base + lane;
+  int inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(kFull, inc, o);
+    if (lane >= o) inc += n;
+  }
+  if (r < p.R) p.rank_off[r] = p.cap > 0 ? static_cast<int>(r * p.cap) : carry + inc - v;
+  return carry + __shfl_sync(kFull, inc, 31);
+}
 
 template <typename IdxT>
 __global__ void __launch_bounds__(512) dispatch_layout_kernel(LayoutParams p) {
   extern __shared__ int hist[];  // [W, cols]
-  __shared__ bool s_last;
-  allow_dependent_grid();  // the pack kernel may start loading rows now
+  allow_dependent_grid();  // the next kernel may start now (it waits for this one's results)
   const int W = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int cols = p.cols;
   const IdxT* idx = reinterpret_cast<const IdxT*>(p.idx);
@@ -727,69 +762,88 @@ __global__ void __launch_bounds__(512) dispatch_layout_kernel(LayoutParams p) {
           hist[w * cols + col] = run;
           run += v;
         }
-        p.chunk_off[static_cast<int64_t>(blockIdx.x) * cols + col] = run;
+        p.chunk_tot[static_cast<int64_t>(blockIdx.x) * cols + col] = run;
       }
       __syncthreads();
     }
   }
 
-  // ---- last block: scan the chunk totals, write counts and rank offsets ----
-  if (p.nchunks > 1) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(p.done, 1u) == static_cast<unsigned>(p.nchunks - 1);
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-  } else {
-    __syncthreads();
-  }
+  // ---- one chunk: its totals are the counts (several: dispatch_scan_kernel scans the chunks) ----
+  if (p.nchunks > 1) return;
+  __syncthreads();
   int* tot = hist;  // [cols]
   for (int col = threadIdx.x; col < cols; col += blockDim.x) {
-    int run = 0;
-    for (int c0 = 0; c0 < p.nchunks; c0 += 32) {
-      int v[32];
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        v[j] = c0 + j < p.nchunks ? __ldcg(p.chunk_off + static_cast<int64_t>(c0 + j) * cols + col) : 0;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        if (c0 + j < p.nchunks) {
-          p.chunk_off[static_cast<int64_t>(c0 + j) * cols + col] = run;
-          run += v[j];
-        }
-      }
-    }
-    tot[col] = run;
+    tot[col] = p.chunk_tot[col];
+    p.chunk_off[col] = 0;
   }
   __syncthreads();
-  const int C = kColExperts + p.El;
-  for (int i = threadIdx.x; i < p.R * C; i += blockDim.x) {
-    const int r = i / C, c = i - r * C;
-    int64_t v;
-    if (c == kColHidden) v = p.H;
-    else if (c == kColTopk) v = p.K;
-    else if (c == kColBadIds) v = tot[p.E + p.R];
-    else if (c == kColWire) v = p.gran;
-    else if (c == kColRows) v = tot[p.E + r];
-    else v = tot[r * p.El + (c - kColExperts)];
-    p.counts[i] = v;
-  }
+  for (int col = threadIdx.x; col < cols; col += blockDim.x) write_count_column(p, col, tot[col]);
   if (warp == 0) {
     int carry = 0;
-    for (int b = 0; b < p.R; b += 32) {
-      const int r = b + lane;
-      const int v = r < p.R ? tot[p.E + r] : 0;
-      int inc = v;
+    for (int b = 0; b < p.R; b += 32) carry = write_rank_offsets(p, b, b + lane < p.R ? tot[p.E + b + lane] : 0, carry);
+  }
+}
+
+// Several chunks: chunk_off's chunk totals become exclusive prefixes over the chunks, column by
+// column: a block per kScanCols columns, its threads summing kScanRows ranges of chunks; the
+// columns' totals are the counts; the last block sums the rank columns for rank_off.
+constexpr int kScanCols = 32, kScanRows = 16, kScanBatch = 8;
+
+// sum of chunk_tot[c, col] over chunks [c0, c1), kScanBatch loads in flight
+__device__ __forceinline__ int sum_chunks(const LayoutParams& p, int col, int c0, int c1) {
+  int sum = 0;
+  for (int b = c0; b < c1; b += kScanBatch) {
+    int v[kScanBatch];
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(kFull, inc, o);
-        if (lane >= o) inc += n;
+    for (int j = 0; j < kScanBatch; ++j) v[j] = b + j < c1 ? p.chunk_tot[static_cast<int64_t>(b + j) * p.cols + col] : 0;
+#pragma unroll
+    for (int j = 0; j < kScanBatch; ++j) sum += v[j];
+  }
+  return sum;
+}
+
+__global__ void __launch_bounds__(kScanCols * kScanRows) dispatch_scan_kernel(LayoutParams p) {
+  __shared__ int part[kScanRows][kScanCols + 1];  // [chunk range, column]: partial sums
+  allow_dependent_grid();
+  wait_prior_grid();  // the layout kernel's chunk totals
+  const int cx = threadIdx.x % kScanCols, cy = threadIdx.x / kScanCols;
+  const int per = (p.nchunks + kScanRows - 1) / kScanRows;
+  const int c0 = min(p.nchunks, cy * per), c1 = min(p.nchunks, c0 + per);
+  if (blockIdx.x == gridDim.x - 1) {  // rank_off: the rank columns' totals, 32 ranks at a time
+    int carry = 0;
+    for (int base = 0; base < p.R; base += kScanCols) {
+      part[cy][cx] = base + cx < p.R ? sum_chunks(p, p.E + base + cx, c0, c1) : 0;
+      __syncthreads();
+      if (threadIdx.x < kScanCols) {
+        int v = 0;
+        for (int y = 0; y < kScanRows; ++y) v += part[y][cx];
+        carry = write_rank_offsets(p, base, v, carry);
       }
-      if (r < p.R) p.rank_off[r] = p.cap > 0 ? static_cast<int>(r * p.cap) : carry + inc - v;
-      carry += __shfl_sync(kFull, inc, 31);
+      __syncthreads();
+    }
+    return;
+  }
+  const int col = blockIdx.x * kScanCols + cx;
+  part[cy][cx] = col < p.cols ? sum_chunks(p, col, c0, c1) : 0;
+  __syncthreads();
+  if (col >= p.cols) return;
+  int before = 0, total = 0;
+  for (int y = 0; y < kScanRows; ++y) {
+    const int v = part[y][cx];
+    before += y < cy ? v : 0;
+    total += v;
+  }
+  for (int b = c0; b < c1; b += kScanBatch) {  // chunk totals -> exclusive prefixes
+    int v[kScanBatch];
+#pragma unroll
+    for (int j = 0; j < kScanBatch; ++j) v[j] = b + j < c1 ? p.chunk_tot[static_cast<int64_t>(b + j) * p.cols + col] : 0;
+#pragma unroll
+    for (int j = 0; j < kScanBatch; ++j) {
+      if (b + j < c1) p.chunk_off[static_cast<int64_t>(b + j) * p.cols + col] = before;
+      before += v[j];
     }
   }
+  if (cy == 0) write_count_column(p, col, total);
 }
 
 // =============================================================================================
@@ -1751,41 +1805,43 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
       : std::min<int64_t>(kMaxLayoutSteps, (TK + per_step * sms - 1) / (per_step * sms)));
   const int64_t chunk_slots = per_step * steps;
   const int64_t nchunks = std::max<int64_t>(1, (TK + chunk_slots - 1) / chunk_slots);
-  TORCH_CHECK(nchunks * cols < INT_MAX, "fp8a2a: dispatch_pack: too many tokens x experts for the CUDA layout");
+  TORCH_CHECK(2 * nchunks * cols < INT_MAX, "fp8a2a: dispatch_pack: too many tokens x experts for the CUDA layout");
 
   // Small batches (the host-bound regime): no layout kernel, each pack block routes its own token.
   const size_t route_bytes = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
   const bool self_route = T > 0 && T <= kSelfMaxTokens && TK <= kSelfMaxSlots && K <= kSelfMaxK &&
                           route_bytes + self_smem_bytes(TK, num_experts, R, K) <= static_cast<size_t>(kSmemDefault);
 
-  // scratch: [done counter, pad x3][rank_off R][chunk_off nchunks x cols][slot_rank 2 x TK] int32,
-  // in the send buffer's allocation, after the rows (one allocation less per call)
-  const int64_t slot_off = (4 + R + nchunks * cols + 1) / 2 * 2;
+  // scratch: [rank_off R][chunk_off nchunks x cols][chunk_tot nchunks x cols][slot_rank 2 x TK]
+  // int32, in the send buffer's allocation, after the rows (one allocation less per call). The scan
+  // kernel reads chunk_tot and writes chunk_off: no block reads what another one writes.
+  const int64_t slot_off = (R + 2 * nchunks * cols + 1) / 2 * 2;
   const int64_t send_bytes = send_rows * L.bytes;  // a multiple of kRowAlign: the scratch stays aligned
   auto send_alloc = at::empty({send_bytes + (self_route ? 0 : 4 * (slot_off + 2 * TK))}, x.options().dtype(at::kByte));
   auto send = send_alloc.narrow(0, 0, send_rows * L.bytes).view({send_rows, L.bytes});
   int* sp = reinterpret_cast<int*>(send_alloc.data_ptr<uint8_t>() + send_bytes);
-  LayoutParams lp{};
-  lp.idx = topk_idx.data_ptr();
-  lp.TK = TK;
-  lp.K = static_cast<int>(K);
-  lp.E = static_cast<int>(num_experts);
-  lp.El = static_cast<int>(El);
-  lp.R = static_cast<int>(R);
-  lp.cols = static_cast<int>(cols);
-  lp.chunk_slots = static_cast<int>(chunk_slots);
-  lp.steps = steps;
-  lp.nchunks = static_cast<int>(nchunks);
-  lp.H = H;
-  lp.gran = granularity;
-  lp.cap = rank_capacity;
-  lp.done = reinterpret_cast<unsigned*>(sp);
-  lp.rank_off = sp + 4;
-  lp.chunk_off = sp + 4 + R;
-  lp.slot_rank = reinterpret_cast<int2*>(sp + slot_off);
-  lp.counts = counts.data_ptr<int64_t>();
+  // the kernels after the layout kernel start early and wait for it (programmatic dependent launch)
+  const bool pdl = early_launch_ok(dispatch_scan_kernel, device);
+  LayoutParams lp{};  // all null on the self-routed path: no layout tables
   if (!self_route) {
-    if (nchunks > 1) C10_CUDA_CHECK(cudaMemsetAsync(lp.done, 0, sizeof(unsigned), stream));
+    lp.idx = topk_idx.data_ptr();
+    lp.TK = TK;
+    lp.K = static_cast<int>(K);
+    lp.E = static_cast<int>(num_experts);
+    lp.El = static_cast<int>(El);
+    lp.R = static_cast<int>(R);
+    lp.cols = static_cast<int>(cols);
+    lp.chunk_slots = static_cast<int>(chunk_slots);
+    lp.steps = steps;
+    lp.nchunks = static_cast<int>(nchunks);
+    lp.H = H;
+    lp.gran = granularity;
+    lp.cap = rank_capacity;
+    lp.rank_off = sp;
+    lp.chunk_off = sp + R;
+    lp.chunk_tot = sp + R + nchunks * cols;
+    lp.slot_rank = reinterpret_cast<int2*>(sp + slot_off);
+    lp.counts = counts.data_ptr<int64_t>();
     if (topk_idx.scalar_type() == at::kLong) {
       ensure_smem(dispatch_layout_kernel<int64_t>, layout_smem, device, "dispatch_pack layout");
       dispatch_layout_kernel<int64_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
@@ -1794,6 +1850,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
       dispatch_layout_kernel<int32_t><<<nchunks, W * 32, layout_smem, stream>>>(lp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (nchunks > 1)  // a block per kScanCols columns, and one for the rank offsets
+      launch_kernel(dispatch_scan_kernel, (cols + kScanCols - 1) / kScanCols + 1, kScanCols * kScanRows, 0, stream,
+                    pdl, lp);
   }
   if (T == 0) return {send, counts, send_pos};
 
@@ -1802,9 +1861,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.idx = topk_idx.data_ptr();
   p.w = topk_weights.data_ptr<float>();
   p.tscale = granularity == kTensor ? tensor_scale->data_ptr<float>() : nullptr;
-  p.slot_rank = self_route ? nullptr : lp.slot_rank;  // self routing reads no layout tables
-  p.chunk_off = self_route ? nullptr : lp.chunk_off;
-  p.rank_off = self_route ? nullptr : lp.rank_off;
+  p.slot_rank = lp.slot_rank;  // null when self-routed
+  p.chunk_off = lp.chunk_off;
+  p.rank_off = lp.rank_off;
   p.send = send.data_ptr<uint8_t>();
   p.send_pos = send_pos.data_ptr<int>();
   p.T = T;
@@ -1826,11 +1885,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.counts = counts.data_ptr<int64_t>();
   p.self_off = static_cast<int>(route_bytes);
   const size_t smem = route_bytes + (self_route ? self_smem_bytes(TK, num_experts, R, K) : 0);
-  // after the layout kernel, the pack kernel starts early (loads and quantizes, then waits for it)
-  const bool after_layout = !self_route && early_launch_ok(dispatch_layout_kernel<int64_t>, device);
   auto launch_pack = [&](auto kernel, int threads) {
     ensure_smem(kernel, smem, device, "dispatch_pack");
-    launch_kernel(kernel, T, threads, smem, stream, after_layout, p);
+    launch_kernel(kernel, T, threads, smem, stream, pdl && !self_route, p);
   };
   auto launch = [&](auto idx_tag, auto self_tag) {
     using IdxT = decltype(idx_tag);
