@@ -27,7 +27,11 @@ Backends (backend=..., 'auto' picks the first that fits):
   0.0037 against 0.0031 vs a BF16 GEMM of the dequantized operands). Block128 input goes to the
   Triton GEMM, which applies block scales as they are (BLOCK128_NATIVE; False converts it to row
   scales, see _block_to_row). A shape the op refuses (e.g. K not a multiple of 16) goes to the
-  Triton GEMM (warned once).
+  Triton GEMM (warned once). Up to FP8_TMA_MAX_ROWS_PER_EXPERT rows per expert on average (the
+  range measured) the fast-accumulation GEMM is triton_kernels.grouped_mm_fp8 instead: the same
+  arithmetic and the same bytes out, with a 128 x 256 x 128 tile fed by TMA; 1.11-1.49x the op's
+  speed from 128 to 4096 rows per expert at the DeepSeek-V3 expert shapes on an H200 (at 128 rows
+  the op's tile is 64 x 128 and it reads the weights at ~2.5 TB/s).
 - 'triton': the FP8 GEMMs in fp8a2a.triton_kernels (grouped GEMM with a row- or block128-scale
   epilogue, fp32 promotion every 128 of K), for CUDA machines without a usable _scaled_grouped_mm.
 - 'reference': dequantize and loop over experts in fp32 (any device; the CPU path).
@@ -57,6 +61,10 @@ _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_
 # (exact, ~30% slower than the row-scaled op at 7168 -> 4096 on an H200); False = convert to row
 # scales (_block_to_row: one Triton pass and one more e4m3 rounding) and use torch._scaled_grouped_mm.
 BLOCK128_NATIVE = True
+# Average rows per expert up to which the scaled_grouped_mm backend's fast-accumulation GEMMs run
+# triton_kernels.grouped_mm_fp8: faster than torch._scaled_grouped_mm over all of 128-4096, the range
+# scripts/probe_gmm_triton.py measured (BENCHMARKS.md); above it, torch's op.
+FP8_TMA_MAX_ROWS_PER_EXPERT = 4096
 # True: the BF16 backward GEMMs of the GPU backends use the Triton kernels even where
 # torch._grouped_mm runs (tests; torch builds without a working _grouped_mm fall back by themselves).
 TRITON_BACKWARD = False
@@ -241,6 +249,9 @@ def _mm_fp8(backend, xq, xs, wq, sw, offs, fast_accum=False):
         key = (N, xq.shape[1], torch.cuda.get_device_capability(xq.device))
         if key not in _SGMM_REFUSED:
             a, sa = _block_to_row(xq, xs) if xs.dim() == 2 else (xq, xs.contiguous())
+            if fast_accum and M <= FP8_TMA_MAX_ROWS_PER_EXPERT * wq.shape[0] and _tk() is not None \
+                    and _tk().fp8_tma_ok(a, wq):
+                return _tk().grouped_mm_fp8(a, sa, wq, sw, offs)
             try:
                 return torch._scaled_grouped_mm(a, wq.transpose(-2, -1), sa, sw, offs=offs,
                                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum)

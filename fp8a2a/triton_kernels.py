@@ -17,6 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side TMA descriptors (Triton 3.3+): grouped_mm_fp8
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: torch._scaled_grouped_mm only
+    TensorDescriptor = None
+
 ACT_CODE = {"identity": 0, "swiglu": 1, "gelu": 2, "relu": 3}
 _FP8_DOT = None  # whether tl.dot takes e4m3 on this device (sm_89+)
 
@@ -32,8 +37,29 @@ def _mm_configs():
     cfg = []
     for bm, bn, bk, w, s in [(128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 64, 4, 4),
                              (64, 128, 128, 4, 4), (128, 256, 64, 8, 3)]:
-        cfg.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s))
+        cfg.append(triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s))
     return cfg
+
+
+@triton.jit
+def _expert_tile(offs_ptr, E, N, BM: tl.constexpr, BN: tl.constexpr, EB: tl.constexpr):
+    """(expert or -1 past the last tile, first row, row end, first column) of this program's output
+    tile. Each expert's rows are cut into tiles of BM (none straddles two experts), taken in order;
+    the column tiles of one row tile are consecutive programs, so its rows and the expert's weights
+    are read from L2 after the first. The tile prefix over the experts (EB >= E) is computed here."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    tile_m = pid // num_n
+    ee = tl.arange(0, EB)
+    ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
+    starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
+    tiles = tl.where(ee < E, (ends - starts + BM - 1) // BM, 0)
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= tile_m).to(tl.int32), 0)  # the first expert whose tiles reach past tile_m
+    sel = ee == e
+    row0 = tl.sum(tl.where(sel, starts + (tile_m - cum + tiles) * BM, 0), 0)
+    row_end = tl.sum(tl.where(sel, ends, 0), 0)
+    return tl.where(e < E, e, -1), row0, row_end, (pid % num_n) * BN
 
 
 @triton.autotune(configs=_mm_configs(), key=["N", "K", "E", "A_SCALE", "B_SCALE", "UPCAST", "FP8"])
@@ -41,34 +67,12 @@ def _mm_configs():
 def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, M, N, K, E,
                        s_am, s_ak, s_be, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbe,
                        A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    num_m = tl.cdiv(M, BM) + E  # upper bound on the row tiles of all experts
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % group) % size_m
-    tile_n = (pid % group) // size_m
-    # which expert owns row tile `tile_m` (tiles never straddle two experts)
-    prev = tl.zeros([], tl.int32)
-    seen = tl.zeros([], tl.int32)
-    e_sel = tl.full([], -1, tl.int32)
-    row0 = tl.zeros([], tl.int32)
-    row_end = tl.zeros([], tl.int32)
-    for e in range(E):
-        end = tl.load(offs_ptr + e)
-        nt = tl.cdiv(end - prev, BM)
-        hit = (tile_m >= seen) & (tile_m < seen + nt)
-        e_sel = tl.where(hit, e, e_sel)
-        row0 = tl.where(hit, prev + (tile_m - seen) * BM, row0)
-        row_end = tl.where(hit, end, row_end)
-        seen += nt
-        prev = end
+                       EB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e_sel, row0, row_end, n0 = _expert_tile(offs_ptr, E, N, BM, BN, EB)
     if e_sel < 0:
         return
     rm = row0 + tl.arange(0, BM)
-    rn = tile_n * BN + tl.arange(0, BN)
+    rn = n0 + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     m_ok = rm < row_end
     n_ok = rn < N
@@ -123,7 +127,63 @@ def grouped_mm(a, b, offs, sa=None, sb=None, b_strides=None, n=None):
                              a.stride(0), a.stride(1), *b_strides, out.stride(0), out.stride(1),
                              s_sam, s_sak, sb.stride(0) if sb is not None else 0,
                              A_SCALE=a_scale, B_SCALE=sb is not None, UPCAST=upcast,
-                             FP8=a.dtype == torch.float8_e4m3fn and not upcast)
+                             FP8=a.dtype == torch.float8_e4m3fn and not upcast, EB=triton.next_power_of_2(E))
+    return out
+
+
+# BM, BN, BK, warps, stages of grouped_mm_fp8: the fastest of scripts/probe_gmm_triton.py's tiles at
+# 128-256 rows per expert on an H200 (BENCHMARKS.md)
+FP8_TILE = (128, 256, 128, 8, 4)
+
+
+@triton.jit
+def _grouped_mm_fp8_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K, E, s_sam,
+                           EB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e, row0, row_end, n0 = _expert_tile(offs_ptr, E, N, BM, BN, EB)
+    if e < 0:
+        return
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):  # rows past the expert's end are computed and not stored
+        a = a_desc.load([row0, k0])
+        b = b_desc.load([e * N + n0, k0])
+        acc = tl.dot(a, b.T, acc)
+    rm = row0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    m_ok = rm < row_end
+    n_ok = rn < N
+    sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam, mask=m_ok, other=0.0)
+    sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=n_ok, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    tl.store(c_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(tl.bfloat16),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_tma_ok(a, w) -> bool:
+    """Whether grouped_mm_fp8 takes these operands: Triton with host TMA descriptors (sm_90+),
+    contiguous e4m3 a [M, K] and w [E, N, K] with rows of a multiple of 16 bytes."""
+    return (TensorDescriptor is not None and a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
+            and a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()
+            and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def grouped_mm_fp8(a, sa, w, sw, offs, tile=None):
+    """bf16 [M, N] = sa * (a @ w[e]^T) * sw[e] per expert group: e4m3 a [M, K] and w [E, N, K]
+    (fp8_tma_ok), sa [M] (any stride), sw [E, N] contiguous. Operands through TMA, accumulation
+    without promotion (what torch._scaled_grouped_mm does with use_fast_accum=True), one tile size
+    (FP8_TILE, or `tile` for probes): faster than torch's at a few hundred rows per expert."""
+    M, K = a.shape
+    E, N, _ = w.shape
+    out = torch.empty((M, N), device=a.device, dtype=torch.bfloat16)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    BM, BN, BK, warps, stages = tile or FP8_TILE
+    grid = ((triton.cdiv(M, BM) + E) * triton.cdiv(N, BN),)
+    _grouped_mm_fp8_kernel[grid](TensorDescriptor.from_tensor(a, [BM, BK]),
+                                 TensorDescriptor.from_tensor(w.view(E * N, K), [BN, BK]), out, sa, sw.contiguous(),
+                                 offs, N, K, E, sa.stride(0), EB=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK,
+                                 num_warps=warps, num_stages=stages)
     return out
 
 

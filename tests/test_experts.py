@@ -388,6 +388,9 @@ def test_gpu_mlp_vs_reference(backend, shape, monkeypatch):
     check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
     if backend == "scaled_grouped_mm" and shape == "deepseek":
         check(MLP_NAMES, _run_mlp(backend, hidden, ffn, fast_accum=False), ref, 1e-2)
+        # torch._scaled_grouped_mm for the fast-accumulation GEMMs too (the TMA kernel otherwise)
+        monkeypatch.setattr(experts, "FP8_TMA_MAX_ROWS_PER_EXPERT", 0)
+        check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
     if backend == "triton":  # the Triton dgrad / wgrad kernels too (torch._grouped_mm otherwise)
         monkeypatch.setattr(experts, "TRITON_BACKWARD", True)
         check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
@@ -514,6 +517,31 @@ def test_gpu_triton_backward_kernels():
         dw = tk.grouped_wgrad(g, xq, offs, sx=xs)
         ref = experts._ref_wgrad(g, dequantize_reference(xq, xs, torch.bfloat16), offs, len(GPU_TPE))
         assert rel(dw, ref) < 5e-3 and dw[1].abs().max() == 0
+
+
+@gpu
+@pytest.mark.parametrize("tpe,n,k", [(GPU_TPE, 768, 2048), ([0, 40, 0, 300], 200, 2064), ([5], 256, 128),
+                                     ([0, 0, 0], 256, 256), ([129, 127, 128, 255], 512, 384)])
+def test_gpu_grouped_mm_fp8_tma(tpe, n, k):
+    # the TMA kernel the scaled_grouped_mm backend uses at few rows per expert: ragged groups, empty
+    # experts and inputs, N and K not multiples of its 128 x 256 x 128 tile, a strided row scale
+    from fp8a2a import triton_kernels as tk
+    torch.manual_seed(12)
+    E, M = len(tpe), sum(tpe)
+    offs = torch.cumsum(torch.tensor(tpe, device="cuda"), 0, dtype=torch.int32)
+    wq, sw = fp8_weight((torch.randn(E, n, k, device="cuda") * 0.02).bfloat16())
+    xq, xs = quantize_reference(torch.randn(M, k, device="cuda"), "row")
+    xs = torch.stack([xs, -xs], 1)[:, 0]  # stride 2
+    assert tk.fp8_tma_ok(xq, wq)
+    y = tk.grouped_mm_fp8(xq, xs, wq, sw, offs)
+    ref = experts._ref_mm(experts._dequant(xq, xs), experts._dequant(wq.flatten(0, 1), sw.flatten()).view(wq.shape), offs)
+    assert y.shape == (M, n) and y.dtype == torch.bfloat16
+    if M:
+        assert rel(y, ref) < 5e-3
+    if n % 16 == 0 and M:  # the op it stands in for: the same arithmetic (fast accumulation)
+        y_op = torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), xs.contiguous(), sw, offs=offs,
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
+        assert rel(y, y_op) < 2e-3
 
 
 @gpu
