@@ -1441,6 +1441,32 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
 }
 
 // =============================================================================================
+// combine kernels' fp32 row accumulators: UPT units of 16 elements per thread (unit u = threadIdx.x
+// + j * blockDim.x of the U in a row)
+// =============================================================================================
+template <int UPT>
+__device__ __forceinline__ void zero_units(float (&acc)[UPT][16]) {
+#pragma unroll
+  for (int j = 0; j < UPT; ++j)
+#pragma unroll
+    for (int e = 0; e < 16; ++e) acc[j][e] = 0.0f;
+}
+
+template <typename T, int UPT>
+__device__ __forceinline__ void store_units(const float (&acc)[UPT][16], T* out, int64_t U) {
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) {
+      uint32_t w[Elem<T>::kWords];
+#pragma unroll
+      for (int e = 0; e < 16; ++e) Elem<T>::put(w, e, acc[j][e]);
+      store_unit<T>(out, u, w);
+    }
+  }
+}
+
+// =============================================================================================
 // combine_pack: one block per received row
 // =============================================================================================
 struct CombPackParams {
@@ -1471,10 +1497,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_pack_vec_kernel
   const int64_t i = blockIdx.x;
   const int64_t U = p.H / 16;
   float acc[UPT][16];
-#pragma unroll
-  for (int j = 0; j < UPT; ++j)
-#pragma unroll
-    for (int e = 0; e < 16; ++e) acc[j][e] = 0.0f;
+  zero_units(acc);
   for (int k = 0; k < p.K; ++k) {
     const int n = __ldg(p.slot_pos + i * p.K + k);
     if (n < 0 || n >= p.N) continue;
@@ -1516,16 +1539,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_pack_vec_kernel
       if (u < U) reinterpret_cast<uint4*>(dst)[u] = quantize_f32x16(acc[j], q);
     }
   } else {
-#pragma unroll
-    for (int j = 0; j < UPT; ++j) {
-      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (u < U) {
-        uint32_t w[Elem<T>::kWords];
-#pragma unroll
-        for (int e = 0; e < 16; ++e) Elem<T>::put(w, e, acc[j][e]);
-        store_unit<T>(reinterpret_cast<T*>(dst), u, w);
-      }
-    }
+    store_units<T, UPT>(acc, reinterpret_cast<T*>(dst), U);
   }
   const int64_t tail_vecs = (p.row_bytes - p.payload_bytes) / 16;
   for (int64_t v = threadIdx.x; v < tail_vecs; v += blockDim.x) {
@@ -1590,15 +1604,25 @@ struct CombUnpackParams {
   bool quant;
 };
 
+// token t's extra columns (the router weights the combine backward needs): summed over its rows
+__device__ __forceinline__ void sum_extra(const CombUnpackParams& p, int64_t t) {
+  for (int k = threadIdx.x; k < p.extra_k; k += blockDim.x) {
+    float a = 0.0f;
+    for (int r = 0; r < p.R; ++r) {
+      const int s = __ldg(p.send_pos + t * p.R + r);
+      if (s < 0 || s >= p.rows) continue;
+      a = __fadd_rn(a, __ldg(reinterpret_cast<const float*>(p.buf + static_cast<int64_t>(s) * p.row_bytes + p.extra_off) + k));
+    }
+    p.extra[t * p.extra_k + k] = a;
+  }
+}
+
 template <typename T, int UPT>
 __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_unpack_vec_kernel(CombUnpackParams p) {
   const int64_t t = blockIdx.x;
   const int64_t U = p.H / 16;
   float acc[UPT][16];
-#pragma unroll
-  for (int j = 0; j < UPT; ++j)
-#pragma unroll
-    for (int e = 0; e < 16; ++e) acc[j][e] = 0.0f;
+  zero_units(acc);
   for (int r = 0; r < p.R; ++r) {
     const int s = __ldg(p.send_pos + t * p.R + r);
     if (s < 0 || s >= p.rows) continue;
@@ -1628,26 +1652,8 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_unpack_vec_kern
       }
     }
   }
-  T* yrow = reinterpret_cast<T*>(p.y) + t * p.H;
-#pragma unroll
-  for (int j = 0; j < UPT; ++j) {
-    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (u < U) {
-      uint32_t w[Elem<T>::kWords];
-#pragma unroll
-      for (int e = 0; e < 16; ++e) Elem<T>::put(w, e, acc[j][e]);
-      store_unit<T>(yrow, u, w);
-    }
-  }
-  for (int k = threadIdx.x; k < p.extra_k; k += blockDim.x) {
-    float a = 0.0f;
-    for (int r = 0; r < p.R; ++r) {
-      const int s = __ldg(p.send_pos + t * p.R + r);
-      if (s < 0 || s >= p.rows) continue;
-      a = __fadd_rn(a, __ldg(reinterpret_cast<const float*>(p.buf + static_cast<int64_t>(s) * p.row_bytes + p.extra_off) + k));
-    }
-    p.extra[t * p.extra_k + k] = a;
-  }
+  store_units<T, UPT>(acc, reinterpret_cast<T*>(p.y) + t * p.H, U);
+  sum_extra(p, t);
 }
 
 template <typename T>
@@ -1667,15 +1673,7 @@ __global__ void __launch_bounds__(256) combine_unpack_scalar_kernel(CombUnpackPa
     }
     Elem<T>::store1(yrow + h, a);
   }
-  for (int k = threadIdx.x; k < p.extra_k; k += blockDim.x) {
-    float a = 0.0f;
-    for (int r = 0; r < p.R; ++r) {
-      const int s = __ldg(p.send_pos + t * p.R + r);
-      if (s < 0 || s >= p.rows) continue;
-      a = __fadd_rn(a, *reinterpret_cast<const float*>(p.buf + static_cast<int64_t>(s) * p.row_bytes + p.extra_off + 4 * k));
-    }
-    p.extra[t * p.extra_k + k] = a;
-  }
+  sum_extra(p, t);
 }
 
 }  // namespace
