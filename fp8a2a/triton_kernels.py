@@ -5,6 +5,9 @@
   (block scales are applied per K step: block128 input is consumed as it is); sb none or [E, N].
   B is given by strides, so the same kernel does the forward ([E, N, K] weights), the bf16 dgrad
   (W read transposed) and the fp8 dgrad (a [E, K, N] copy).
+- grouped_mm_fp8: the same product for contiguous e4m3 operands with row scales, fed by TMA with
+  one 128 x 256 x 128 tile and accumulating without promotion: what the scaled_grouped_mm backend
+  runs instead of torch._scaled_grouped_mm up to a few thousand rows per expert (faster there).
 - grouped_wgrad: out[e] = G_e^T @ (sx * X_e): the weight gradient, consuming the saved FP8 input and
   its scales directly (no BF16 copy of the input).
 - act_quant: activation (swiglu / gelu / relu / identity) * router weight, then e4m3 per row with the
