@@ -11,16 +11,13 @@ import torch
 from triton.testing import do_bench
 
 from fp8a2a import triton_kernels as tk
+from probe_wgrad_torch import deepseek_routing  # scripts/ is on the path when run as a script
 
 
 def main():
-    torch.manual_seed(0)
     dev = "cuda"
-    T, E, topk = 4096, 256, 8
-    idx = torch.rand(T, E, device=dev).topk(topk, dim=1).indices
-    counts = torch.bincount(idx.flatten(), minlength=E)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    M = int(offs[-1])
+    counts, offs, M = deepseek_routing(dev)
+    E = counts.numel()
     print(torch.cuda.get_device_name(), torch.__version__, f"rows {M}, experts {E}, max/expert {int(counts.max())}",
           flush=True)
     f8 = torch.float8_e4m3fn

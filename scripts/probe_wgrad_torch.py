@@ -10,14 +10,20 @@ import torch
 from triton.testing import do_bench
 
 
-def main():
+def deepseek_routing(dev, T=4096, E=256, topk=8):
+    """(rows per expert, int32 group ends, rows) of T tokens routed top-k of E at random: the
+    DeepSeek-V3 MoE layer at world size 1 (~128 rows per expert). Seeds torch with 0."""
     torch.manual_seed(0)
-    dev = "cuda"
-    T, E, topk = 4096, 256, 8
     idx = torch.rand(T, E, device=dev).topk(topk, dim=1).indices
     counts = torch.bincount(idx.flatten(), minlength=E)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    M = int(offs[-1])
+    return counts, offs, int(offs[-1])
+
+
+def main():
+    dev = "cuda"
+    counts, offs, M = deepseek_routing(dev)
+    E = counts.numel()
     hc = counts.tolist()
     starts = [0]
     for c in hc:
