@@ -190,6 +190,19 @@ def grouped_mm_fp8(a, sa, w, sw, offs, tile=None):
     return out
 
 
+@triton.jit
+def _load_rows(x_ptr, sx_ptr, rm, rc, m_ok, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE: tl.constexpr):
+    """fp32 [BM, BC] tile of x (times its row or 128-block scale), 0 outside the mask."""
+    rm64 = rm.to(tl.int64)
+    ok = m_ok[:, None] & c_ok[None, :]
+    v = tl.load(x_ptr + rm64[:, None] * s_xm + rc[None, :] * s_xc, mask=ok, other=0.0).to(tl.float32)
+    if X_SCALE == 1:
+        v = v * tl.load(sx_ptr + rm64 * s_sxm, mask=m_ok, other=0.0)[:, None]
+    elif X_SCALE == 2:
+        v = v * tl.load(sx_ptr + rm64[:, None] * s_sxm + (rc // 128)[None, :] * s_sxc, mask=ok, other=0.0)
+    return v
+
+
 def _wgrad_configs():
     return [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in [(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 64, 128, 4, 4),
@@ -218,15 +231,7 @@ def _grouped_wgrad_kernel(g_ptr, x_ptr, sx_ptr, offs_ptr, out_ptr, N, K, E,
         m_ok = rm < end
         rm64 = rm.to(tl.int64)
         g = tl.load(g_ptr + rm64[:, None] * s_gm + rn[None, :] * s_gn, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + rm64[:, None] * s_xm + rk[None, :] * s_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if X_SCALE == 1:
-            s = tl.load(sx_ptr + rm64 * s_sxm, mask=m_ok, other=0.0)
-            x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
-        elif X_SCALE == 2:
-            s = tl.load(sx_ptr + rm64 * s_sxm + ((tile_k * BK) // 128) * s_sxk, mask=m_ok, other=0.0)
-            x = (x.to(tl.float32) * s[:, None]).to(tl.bfloat16)
-        else:
-            x = x.to(tl.bfloat16)
+        x = _load_rows(x_ptr, sx_ptr, rm, rk, m_ok, k_ok, s_xm, s_xk, s_sxm, s_sxk, X_SCALE).to(tl.bfloat16)
         acc = tl.dot(tl.trans(g.to(tl.bfloat16)), x, acc)
     o = out_ptr + e.to(tl.int64) * s_oe + rn.to(tl.int64)[:, None] * s_on + rk[None, :] * s_ok
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
@@ -263,6 +268,15 @@ def _act(g, u, ACT: tl.constexpr):
 
 
 @triton.jit
+def _scale_rule(amax):
+    """(quantize multiplier 448 / amax, dequant scale amax / 448) by the package rule: IEEE divisions,
+    both 1 where amax is 0."""
+    zero = amax == 0.0
+    a1 = tl.where(zero, 1.0, amax)
+    return tl.where(zero, 1.0, tl.math.div_rn(448.0, a1)), tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
+
+
+@triton.jit
 def _act_chunk(zr, zs_row, off, F, w, ACT: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     """(act(z) * w for columns off .. off + BLOCK of a row (0 past F), their mask)."""
     c = off + tl.arange(0, BLOCK)
@@ -291,10 +305,7 @@ def _act_quant_kernel(z_ptr, w_ptr, zs_ptr, q_ptr, s_ptr, F, s_z, s_zs, s_q,
         h, ok = _act_chunk(zr, zs_row, off, F, w, ACT, Z_BLOCK, BLOCK)
         amax = tl.maximum(amax, tl.where(ok, tl.abs(h), 0.0))
     a = tl.max(amax, axis=0)
-    zero = a == 0.0
-    a1 = tl.where(zero, 1.0, a)
-    qmul = tl.where(zero, 1.0, tl.math.div_rn(448.0, a1))
-    scale = tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
+    qmul, scale = _scale_rule(a)
     for off in range(0, F, BLOCK):  # pass 2: recompute (cheaper than keeping the row) and quantize
         h, ok = _act_chunk(zr, zs_row, off, F, w, ACT, Z_BLOCK, BLOCK)
         tl.store(qr + off + tl.arange(0, BLOCK), (h * qmul).to(tl.float8e4nv), mask=ok)
@@ -372,19 +383,6 @@ def act_bwd(z, dh, w, act):
 
 
 @triton.jit
-def _load_rows(x_ptr, sx_ptr, rm, rc, m_ok, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE: tl.constexpr):
-    """fp32 [BM, BC] tile of x (times its row or 128-block scale), 0 outside the mask."""
-    rm64 = rm.to(tl.int64)
-    ok = m_ok[:, None] & c_ok[None, :]
-    v = tl.load(x_ptr + rm64[:, None] * s_xm + rc[None, :] * s_xc, mask=ok, other=0.0).to(tl.float32)
-    if X_SCALE == 1:
-        v = v * tl.load(sx_ptr + rm64 * s_sxm, mask=m_ok, other=0.0)[:, None]
-    elif X_SCALE == 2:
-        v = v * tl.load(sx_ptr + rm64[:, None] * s_sxm + (rc // 128)[None, :] * s_sxc, mask=ok, other=0.0)
-    return v
-
-
-@triton.jit
 def _group_col_quant_t_kernel(x_ptr, sx_ptr, offs_ptr, poffs_ptr, q_ptr, s_ptr, C, G, MPAD,
                               s_xm, s_xc, s_sxm, s_sxc, s_qc,
                               X_SCALE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
@@ -401,10 +399,7 @@ def _group_col_quant_t_kernel(x_ptr, sx_ptr, offs_ptr, poffs_ptr, q_ptr, s_ptr, 
         rm = m0 + tl.arange(0, BM)
         v = _load_rows(x_ptr, sx_ptr, rm, rc, rm < end, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-    zero = amax == 0.0
-    a1 = tl.where(zero, 1.0, amax)
-    qmul = tl.where(zero, 1.0, tl.math.div_rn(448.0, a1))
-    scale = tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
+    qmul, scale = _scale_rule(amax)
     for p0 in range(pstart, pend, BM):  # pass 2: quantize, store transposed; padding rows are 0
         rp = p0 + tl.arange(0, BM)
         rm = start + (rp - pstart)
