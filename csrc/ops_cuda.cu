@@ -28,9 +28,9 @@
 // over a rank's capacity are not written (send_pos -1).
 //
 // Measured on one H200 (T=16384, H=7168, K=8, R=8, E=256, bf16; scripts/bench_kernels.py,
-// BENCHMARKS.md): dispatch_pack 0.244 ms (layout 8.5 us, scan and pack overlapping it; pack alone
-// 229 us, as fast as scripts/pack_roofline.cu's kernel with precomputed destinations): 0.86 of a
-// copy of the same bytes; the others at 0.76-1.07 of copy bandwidth.
+// BENCHMARKS.md): dispatch_pack 0.244-0.246 ms (layout 8.5 us, scan and pack overlapping it; pack
+// alone 229 us, within 3% of scripts/pack_roofline.cu's kernel with precomputed destinations):
+// 0.85-0.87 of a copy of the same bytes; the others at 0.76-1.06 of copy bandwidth.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -649,6 +649,11 @@ struct LayoutParams {
   int64_t* counts;  // [R, kColExperts + El]
 };
 
+// counts[r, c] of a header column c < kColRows (the same for every destination rank r)
+__device__ __forceinline__ int64_t count_header(int c, int64_t H, int64_t K, int64_t bad_ids, int64_t gran) {
+  return c == kColHidden ? H : c == kColTopk ? K : c == kColBadIds ? bad_ids : gran;
+}
+
 // counts[r, :] entries of column col of the layout (expert, rank rows, bad ids) from its total;
 // the bad-ids column also writes the header columns.
 __device__ __forceinline__ void write_count_column(const LayoutParams& p, int col, int total) {
@@ -659,13 +664,9 @@ __device__ __forceinline__ void write_count_column(const LayoutParams& p, int co
   } else if (col < p.E + p.R) {
     p.counts[(col - p.E) * C + kColRows] = total;
   } else {
-    for (int r = 0; r < p.R; ++r) {
-      int64_t* row = p.counts + static_cast<int64_t>(r) * C;
-      row[kColHidden] = p.H;
-      row[kColTopk] = p.K;
-      row[kColBadIds] = total;
-      row[kColWire] = p.gran;
-    }
+    for (int r = 0; r < p.R; ++r)
+      for (int c = 0; c < kColRows; ++c)
+        p.counts[static_cast<int64_t>(r) * C + c] = count_header(c, p.H, p.K, total, p.gran);
   }
 }
 
@@ -999,14 +1000,8 @@ __device__ void self_routing(const PackParams& p, int64_t t, const RouteSmem& s,
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < static_cast<int64_t>(R) * C;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int r = static_cast<int>(i / C), c = static_cast<int>(i - static_cast<int64_t>(r) * C);
-    int64_t v;
-    if (c == kColHidden) v = p.H;
-    else if (c == kColTopk) v = K;
-    else if (c == kColBadIds) v = *bad;
-    else if (c == kColWire) v = p.gran;
-    else if (c == kColRows) v = rows[r];
-    else v = hist[r * El + (c - kColExperts)];
-    p.counts[i] = v;
+    p.counts[i] = c == kColRows ? rows[r] : c >= kColExperts ? hist[r * El + (c - kColExperts)]
+                                                             : count_header(c, p.H, K, *bad, p.gran);
   }
 }
 
