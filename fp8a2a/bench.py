@@ -128,7 +128,8 @@ def recommend_threshold(crossovers: Dict[str, dict], default: int = DEFAULT_BF16
                 f"<= {fmt_bytes(smallest)}; recommended {value} ({fmt_bytes(value)})")
     else:
         value = None
-        text = "no crossover found: FP8 never won for good in this sweep (keep BF16, or measure larger sizes)"
+        text = (f"no crossover found: FP8 never won for good in this sweep; no bf16_below_bytes to recommend "
+                f"(keep the default {fmt_bytes(default)} or measure larger sizes)")
     return {"recommended_bytes": value, "text": "; ".join([text] + notes), "default_bytes": default}
 
 
