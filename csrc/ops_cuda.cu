@@ -288,6 +288,54 @@ __device__ __forceinline__ uint4 quantize_f32x16(const float (&a)[16], float q) 
                     e4m3x4(f[12], f[13], f[14], f[15]));
 }
 
+// The max of every thread's mb over the block (s_red: 32 words of shared memory). One
+// __syncthreads(), which also publishes whatever the block wrote to shared memory before it.
+__device__ __forceinline__ uint32_t block_max_u32(uint32_t mb, uint32_t* s_red) {
+  mb = warp_max_u32(mb);
+  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = mb;
+  __syncthreads();
+  mb = 0;
+  for (int i = 0; i < (int)(blockDim.x >> 5); ++i) mb = max(mb, s_red[i]);
+  return mb;
+}
+
+// ---- one row held in registers by the vec kernels: UPT units per thread, unit u = threadIdx.x +
+// j * blockDim.x of the U in the row ----
+template <typename T, int UPT>
+__device__ __forceinline__ void load_units(const T* row, int64_t U, uint32_t (&w)[UPT][Elem<T>::kWords]) {
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) load_unit<T>(row, u, w[j]);
+  }
+}
+
+// this thread's share of the row amax (as bits; 0 for units past the row)
+template <typename T, int UPT>
+__device__ __forceinline__ uint32_t units_amax_bits(const uint32_t (&w)[UPT][Elem<T>::kWords], int64_t U) {
+  uint32_t mb = 0;
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) mb = max(mb, unit_amax_bits<T>(w[j]));
+  }
+  return mb;
+}
+
+// block128: q[j] = the quant multiplier of unit j's 128-block (8 consecutive lanes); the block's
+// first lane hands its amax to put_amax(block index, amax).
+template <typename T, int UPT, typename PutAmax>
+__device__ __forceinline__ void block128_multipliers(const uint32_t (&w)[UPT][Elem<T>::kWords], int64_t U,
+                                                     float (&q)[UPT], PutAmax put_amax) {
+#pragma unroll
+  for (int j = 0; j < UPT; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    const float m = amax_value(group8_max_u32(u < U ? unit_amax_bits<T>(w[j]) : 0u));
+    q[j] = quant_multiplier(m);
+    if (u < U && (u & 7) == 0) put_amax(u >> 3, m);
+  }
+}
+
 template <typename IdxT>
 __device__ __forceinline__ int64_t load_idx(const IdxT* p);
 template <>
@@ -496,13 +544,8 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) quantize_vec_kernel(Qua
   __shared__ uint32_t s_redu[32];
   const int64_t t = blockIdx.x;
   const int64_t U = p.H / 16;
-  const T* xrow = reinterpret_cast<const T*>(p.x) + t * p.H;
   uint32_t w[UPT][Elem<T>::kWords];
-#pragma unroll
-  for (int j = 0; j < UPT; ++j) {
-    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (u < U) load_unit<T>(xrow, u, w[j]);
-  }
+  load_units<T, UPT>(reinterpret_cast<const T*>(p.x) + t * p.H, U, w);
   float q[UPT];
   if (p.gran == kTensor) {
     float s;
@@ -510,26 +553,10 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) quantize_vec_kernel(Qua
 #pragma unroll
     for (int j = 1; j < UPT; ++j) q[j] = q[0];
   } else if (p.gran == kBlock128) {
-#pragma unroll
-    for (int j = 0; j < UPT; ++j) {
-      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      const float m = amax_value(group8_max_u32(u < U ? unit_amax_bits<T>(w[j]) : 0u));
-      q[j] = quant_multiplier(m);
-      if (u < U && (u & 7) == 0) p.scales[t * (p.H / kBlock) + (u >> 3)] = scale_of(m);
-    }
+    float* scales = p.scales + t * (p.H / kBlock);
+    block128_multipliers<T, UPT>(w, U, q, [&](int64_t b, float m) { scales[b] = scale_of(m); });
   } else {
-    uint32_t mb = 0;
-#pragma unroll
-    for (int j = 0; j < UPT; ++j) {
-      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (u < U) mb = max(mb, unit_amax_bits<T>(w[j]));
-    }
-    mb = warp_max_u32(mb);
-    if ((threadIdx.x & 31) == 0) s_redu[threadIdx.x >> 5] = mb;
-    __syncthreads();
-    mb = 0;
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) mb = max(mb, s_redu[i]);
-    const float m = amax_value(mb);
+    const float m = amax_value(block_max_u32(units_amax_bits<T, UPT>(w, U), s_redu));
 #pragma unroll
     for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(m);
     if (threadIdx.x == 0) p.scales[t] = scale_of(m);
@@ -1098,47 +1125,27 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
   // self routing first: its counters and the row would not fit in registers together
   if constexpr (SELF) route_token<IdxT, SELF>(p, t, s, smem);
   uint32_t w[UPT][Elem<T>::kWords];
-#pragma unroll
-  for (int j = 0; j < UPT; ++j) {
-    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (u < U) load_unit<T>(xrow, u, w[j]);
-  }
+  load_units<T, UPT>(xrow, U, w);
   if constexpr (!SELF) route_token<IdxT, SELF>(p, t, s, smem);  // overlaps the row's loads
 
+  // each branch has one __syncthreads(): the routing in shared memory is complete after it
   float q[UPT];
   float row_scale = 0.0f;
-  float rm = 0.0f;
-  if (p.gran == kTensor) {
-    row_scale = __ldg(p.tscale);
-    const float tq = 1.0f / row_scale;  // IEEE division, as ops_cpu.cpp
-#pragma unroll
-    for (int j = 0; j < UPT; ++j) q[j] = tq;
-  } else if (p.gran == kBlock128) {
-#pragma unroll
-    for (int j = 0; j < UPT; ++j) {
-      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      const float m = amax_value(group8_max_u32(u < U ? unit_amax_bits<T>(w[j]) : 0u));
-      q[j] = quant_multiplier(m);
-      if (u < U && (u & 7) == 0) s.amax[u >> 3] = m;
-    }
-  } else {
-    uint32_t mb = 0;
-#pragma unroll
-    for (int j = 0; j < UPT; ++j) {
-      const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      if (u < U) mb = max(mb, unit_amax_bits<T>(w[j]));
-    }
-    mb = warp_max_u32(mb);
-    if ((threadIdx.x & 31) == 0) reinterpret_cast<uint32_t*>(s.red)[threadIdx.x >> 5] = mb;
-  }
-  __syncthreads();
   if (p.gran == kRow) {
-    uint32_t mb = 0;
-    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) mb = max(mb, reinterpret_cast<const uint32_t*>(s.red)[i]);
-    rm = amax_value(mb);
+    const float m = amax_value(block_max_u32(units_amax_bits<T, UPT>(w, U), reinterpret_cast<uint32_t*>(s.red)));
 #pragma unroll
-    for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(rm);
-    row_scale = scale_of(rm);
+    for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(m);
+    row_scale = scale_of(m);
+  } else {
+    if (p.gran == kTensor) {
+      row_scale = __ldg(p.tscale);
+      const float tq = 1.0f / row_scale;  // IEEE division, as ops_cpu.cpp
+#pragma unroll
+      for (int j = 0; j < UPT; ++j) q[j] = tq;
+    } else {
+      block128_multipliers<T, UPT>(w, U, q, [&](int64_t b, float m) { s.amax[b] = m; });
+    }
+    __syncthreads();
   }
   uint4 out[UPT];
 #pragma unroll
@@ -1520,12 +1527,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_pack_vec_kernel
 #pragma unroll
         for (int e = 0; e < 16; ++e) mb = max(mb, abs_bits(acc[j][e]));
     }
-    mb = warp_max_u32(mb);
-    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = mb;
-    __syncthreads();
-    mb = 0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) mb = max(mb, s_red[w]);
-    const float m = amax_value(mb);
+    const float m = amax_value(block_max_u32(mb, s_red));
     const float q = quant_multiplier(m);
     scale = scale_of(m);
 #pragma unroll
