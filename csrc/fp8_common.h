@@ -79,8 +79,12 @@ FP8A2A_HD float amax_step(float acc, float v) {
 //   dequant scale     s = amax / 448          (what is stored and sent: x ~= e4m3 * s)
 // An all-zero row has amax 0; it gets q = s = 1 so it stays zero and finite.
 // A NaN row gives NaN; an Inf row gives q = 0, s = inf: it dequantizes to NaN, never finite.
-FP8A2A_HD float quant_multiplier(float amax) { return amax == 0.0f ? 1.0f : kE4M3Max / amax; }
-FP8A2A_HD float dequant_scale(float amax) { return amax == 0.0f ? 1.0f : amax / kE4M3Max; }
+// A nonzero amax below kAmaxFloor counts as kAmaxFloor: below 448 / FLT_MAX (~1.3e-36) q would
+// overflow to inf and turn the row's zeros into NaN; at the floor q is finite and s a normal float.
+constexpr float kAmaxFloor = 0x1p-117f;  // ~6.0e-36
+FP8A2A_HD float floored_amax(float amax) { return amax < kAmaxFloor ? kAmaxFloor : amax; }  // NaN stays NaN
+FP8A2A_HD float quant_multiplier(float amax) { return amax == 0.0f ? 1.0f : kE4M3Max / floored_amax(amax); }
+FP8A2A_HD float dequant_scale(float amax) { return amax == 0.0f ? 1.0f : floored_amax(amax) / kE4M3Max; }
 
 FP8A2A_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 

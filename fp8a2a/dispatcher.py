@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .quant import QuantizedTensor, dequantize, scale_of_amax, tensor_amax
+from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_of_amax, tensor_amax
 
 # Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
 # exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
@@ -122,6 +122,9 @@ class Dispatcher:
         self.fp8_combine = fp8_combine
         self.fp8_dispatch_backward = fp8_dispatch_backward
         self.bf16_below_bytes = bf16_below_bytes
+        if tensor_scale is not None:
+            tensor_scale = checked_tensor_scale(tensor_scale)
+            checked_tensor_scale(tensor_scale.cpu())  # the value of a device scale too: one sync per Dispatcher
         self.tensor_scale = tensor_scale
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"fp8a2a: capacity_factor must be positive, got {capacity_factor}")
@@ -134,9 +137,11 @@ class Dispatcher:
     def _check_agreement(self):
         # Once per Dispatcher, not per call: every rank must agree on the expert count and format,
         # or the per-call exchanges would have mismatched sizes (a hang, not an error).
-        every = self._gather_ints([self.num_experts, self.code, self.tp])
+        scale_bits = -1 if self.tensor_scale is None else int(self.tensor_scale.cpu().view(torch.int32))
+        every = self._gather_ints([self.num_experts, self.code, self.tp, scale_bits])
         if any(v != every[0] for v in every):
-            raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code, expert_tp_size): {every}")
+            raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code, expert_tp_size, "
+                             f"tensor_scale as float32 bits, -1: none): {every}")
 
     def _gather_ints(self, values: List[int]) -> List[List[int]]:
         """Every rank's `values` (one all-gather, one host read): for once-per-setup agreement checks."""
@@ -171,24 +176,24 @@ class Dispatcher:
         """Send each token (once per destination rank) to the ranks of its top-k experts.
 
         x [T, H] float; topk_idx int [T, K] (-1 = not routed); topk_weights [T, K]."""
-        if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-            raise ValueError(f"fp8a2a: expected x [T, H] and topk_idx [T, K], got {tuple(x.shape)} and "
-                             f"{tuple(topk_idx.shape)}")
-        if topk_weights.shape != topk_idx.shape:
-            raise ValueError(f"fp8a2a: topk_weights {tuple(topk_weights.shape)} must match topk_idx "
-                             f"{tuple(topk_idx.shape)}")
-        handle = DispatchHandle(self, topk_idx, topk_weights, send_pos=None, hidden=x.shape[1], dtype=x.dtype)
-        if self.capacity_factor is not None:
-            t, k = topk_idx.shape
-            c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
-            handle.expert_capacity, handle.rank_capacity = c, min(t, self.num_local_experts * c)
-            # per expert, the c slots of this rank with the largest router weight stay (one kernel)
-            topk_idx, handle.dropped = ops.capacity_drop(topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
-                                                         self.num_experts, c)
-        if self.tp > 1:
-            topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
-        handle.topk_idx = topk_idx.contiguous()
-        handle.topk_weights = topk_weights.detach().float().contiguous()
+        try:  # a rank whose input is rejected here makes the others raise too, not wait for it
+            self._check_inputs(x, topk_idx, topk_weights)
+            handle = DispatchHandle(self, topk_idx, topk_weights, send_pos=None, hidden=x.shape[1], dtype=x.dtype)
+            if self.capacity_factor is not None:
+                t, k = topk_idx.shape
+                c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
+                # at least one row per rank segment: T = 0 still gets a (padding-only) static layout
+                handle.expert_capacity, handle.rank_capacity = c, max(1, min(t, self.num_local_experts * c))
+                # per expert, the c slots of this rank with the largest router weight stay (one kernel)
+                topk_idx, handle.dropped = ops.capacity_drop(topk_idx.contiguous(),
+                                                             topk_weights.detach().float().contiguous(), self.num_experts, c)
+            if self.tp > 1:
+                topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
+            handle.topk_idx = topk_idx.contiguous()
+            handle.topk_weights = topk_weights.detach().float().contiguous()
+        except Exception:
+            self._fail_peers(reduced=False)
+            raise
         rows, weights, data, scale, tpe = _DispatchFn.apply(x, topk_weights, handle)
         handle.weights = weights
         if handle.wire == ops.RAW:
@@ -209,6 +214,35 @@ class Dispatcher:
 
     # ---- pieces used by the autograd functions ---------------------------------------------
 
+    def _check_inputs(self, x, topk_idx, topk_weights):
+        if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"fp8a2a: expected x [T, H] and topk_idx [T, K], got {tuple(x.shape)} and "
+                             f"{tuple(topk_idx.shape)}")
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"fp8a2a: topk_weights {tuple(topk_weights.shape)} must match topk_idx "
+                             f"{tuple(topk_idx.shape)}")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"fp8a2a: x must be float32, float16 or bfloat16, got {x.dtype}")
+        if x.shape[1] == 0:
+            raise ValueError("fp8a2a: x has hidden size 0")
+        # checked whatever wire this call takes: a rank under the size threshold must fail like the others
+        if self.code == ops.GRANULARITY["block128"] and x.shape[1] % 128:
+            raise ValueError(f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
+
+    def _fail_peers(self, reduced: bool = True):
+        """This rank rejected its input before the counts exchange. Take part in the collectives the
+        other ranks are waiting in (the tensor-mode amax all-reduce unless `reduced`, then the counts
+        exchange) with a header that marks the failure, so they raise (_agree_on_wire) instead of
+        hanging. Capacity mode reads no header after a shape's first call: see README's limits."""
+        if self.local:
+            return
+        device = self._device()
+        if self.code == ops.GRANULARITY["tensor"] and self.tensor_scale is None and not reduced:
+            dist.all_reduce(torch.zeros((), device=device), op=dist.ReduceOp.MAX, group=self.group)
+        header = torch.zeros((self.world, ops.COUNTS_HEADER + self.num_local_experts), dtype=torch.int64, device=device)
+        header[:, ops.BAD_IDS] = -1  # a count of bad ids is >= 0: -1 marks a rejected input
+        self._exchange_counts(header)
+
     def _replicate_over_tp(self, topk_idx, topk_weights):
         """Expert TP as routing: expert e becomes one virtual expert on each TP rank of its EP rank,
         so the ops see tp * E experts over the whole TP-EP group and need nothing special.
@@ -227,6 +261,8 @@ class Dispatcher:
             return self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
         amax = tensor_amax(x)
         if self.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
+            # NaN as inf: a MAX all-reduce may drop NaN (gloo, by rank order); inf poisons every rank alike
+            amax = torch.nan_to_num(amax, nan=math.inf)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         return scale_of_amax(amax)
 
@@ -252,7 +288,11 @@ class Dispatcher:
         local = ops.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
         scale = self._tensor_scale(x) if self.code == ops.GRANULARITY["tensor"] else None
         handle.tensor_scale = scale
-        send, counts, send_pos = self._pack(x, handle, local, scale)
+        try:
+            send, counts, send_pos = self._pack(x, handle, local, scale)
+        except Exception:
+            self._fail_peers()
+            raise
         recv_counts = self._exchange_counts(counts)
         if capacity:
             return self._forward_static(x, handle, send, counts, send_pos, recv_counts)
@@ -298,6 +338,10 @@ class Dispatcher:
         """Check every rank's header (rows of the counts exchange, as lists: all ranks see all
         headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
         (the size policy is local)."""
+        failed = [r for r, row in enumerate(headers) if row[ops.BAD_IDS] < 0]
+        if failed:
+            raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
+                               f"this rank raises too instead of waiting for them")
         bad = [row[ops.BAD_IDS] for row in headers]
         if any(bad):
             raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "

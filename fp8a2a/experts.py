@@ -51,7 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.nn.functional as F
 
 from . import ops
-from .quant import QuantizedTensor, quantize, scale_of_amax
+from .quant import QuantizedTensor, quantize, scale_rule
 
 FP8 = torch.float8_e4m3fn
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
@@ -132,15 +132,19 @@ def _quant_rows(x):
 
 
 # Fused optimizers (e.g. AdamW(fused=True)) update weights without bumping their version counter,
-# so the FP8 weight cache is also keyed on a count of optimizer steps, any optimizer's.
-_optimizer_steps = [0]
+# so the FP8 weight cache is also keyed on an epoch that every optimizer step, any optimizer's, and
+# invalidate_fp8_weight_cache() advance.
+_weight_epoch = [0]
 
 
-def _count_optimizer_step(*_):
-    _optimizer_steps[0] += 1
+def invalidate_fp8_weight_cache(*_):
+    """Requantize every expert weight at its next use. Call it after changing weights in a way
+    neither their version counter nor an optimizer step shows: writes through `.data` (manual SGD,
+    EMA swaps, `p.data.normal_()`), or into a buffer the parameters are views of."""
+    _weight_epoch[0] += 1
 
 
-register_optimizer_step_post_hook(_count_optimizer_step)
+register_optimizer_step_post_hook(invalidate_fp8_weight_cache)
 
 
 def _weight_version(w):
@@ -162,11 +166,12 @@ def fp8_weight(weight: torch.Tensor, transposed: bool = False):
     """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
     transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
     weight tensor (on its parameters for a stack_weights tensor); recomputed when a version counter
-    or storage changes, and after every optimizer step (fused optimizers do not bump versions)."""
+    or storage changes, after every optimizer step (fused optimizers do not bump versions) and after
+    invalidate_fp8_weight_cache()."""
     sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
     versions = tuple(_weight_version(t) for t in sources)
     cacheable = None not in versions
-    key = (transposed, versions, _optimizer_steps[0], tuple(t.data_ptr() for t in sources), weight.device,
+    key = (transposed, versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources), weight.device,
            tuple(weight.shape))
     cache = sources[0].__dict__.get("_fp8a2a_cache")
     if cacheable and cache is not None and cache.get(transposed, (None,))[0] == key:
@@ -302,8 +307,8 @@ def _group_col_quant(v, offs):
     G, (M, C) = offs.shape[0], v.shape
     gid = _row_groups(offs, M)
     amax = v.new_zeros((G, C)).scatter_reduce_(0, gid[:, None].expand(M, C), v.abs(), "amax")
-    qmul = torch.where(amax == 0, torch.ones_like(amax), torch.div(torch.full_like(amax, 448.0), amax))
-    return (v * qmul[gid]).to(FP8), scale_of_amax(amax)
+    qmul, scale = scale_rule(amax)
+    return (v * qmul[gid]).to(FP8), scale
 
 
 def _wgrad_fp8_reference(g, x_hat, offs, num_experts):

@@ -1,9 +1,11 @@
 """QuantizedTensor and the quantize / dequantize entry points (public API, see DESIGN.md).
 
 Scale rule (csrc/fp8_common.h): per row or 128-block, amax = max |x|; data = e4m3(x * (448 / amax)),
-scale = amax / 448, so x ~= data.float() * scale. An all-zero row gets scale 1. A row holding NaN or
-Inf dequantizes to NaN. Casts are round-to-nearest-even and saturate at +-448.
+scale = amax / 448, so x ~= data.float() * scale. An all-zero row gets scale 1; a nonzero amax below
+2^-117 counts as 2^-117 (448 / amax would overflow). A row holding NaN or Inf dequantizes to NaN.
+Casts are round-to-nearest-even and saturate at +-448.
 """
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,9 +39,36 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
 
 
+# csrc/fp8_common.h's kAmaxFloor: a nonzero amax below it counts as it (448 / amax would overflow).
+AMAX_FLOOR = 2.0 ** -117
+
+
+def scale_rule(amax: torch.Tensor):
+    """(quant multiplier 448 / amax, dequant scale amax / 448) of float32 amaxes by the package rule
+    (csrc/fp8_common.h): IEEE divisions (torch.div), both 1 where amax is 0, a nonzero amax below
+    AMAX_FLOOR counted as AMAX_FLOOR, NaN kept."""
+    zero = amax == 0
+    a = torch.where(zero, torch.ones_like(amax), torch.where(amax < AMAX_FLOOR, torch.full_like(amax, AMAX_FLOOR), amax))
+    one = torch.ones_like(amax)
+    return (torch.where(zero, one, torch.div(torch.full_like(amax, 448.0), a)),
+            torch.where(zero, one, torch.div(a, torch.full_like(amax, 448.0))))
+
+
 def scale_of_amax(amax: torch.Tensor) -> torch.Tensor:
-    """The package's tensor-scale rule: amax / 448 (correctly rounded), 1 where amax is 0."""
-    return torch.where(amax == 0, torch.ones_like(amax), torch.div(amax, torch.full_like(amax, 448.0)))
+    """The package's tensor-scale rule: scale_rule's dequant scale (amax / 448; 1 where amax is 0)."""
+    return scale_rule(amax)[1]
+
+
+def checked_tensor_scale(scale) -> torch.Tensor:
+    """A given tensor scale (a number or a one-element tensor) as a float32 scalar tensor. Its value
+    must be finite and positive; that is checked where reading it costs no device sync (a number or
+    a CPU tensor)."""
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    if scale.numel() != 1:
+        raise ValueError(f"fp8a2a: a tensor scale has one element, got shape {tuple(scale.shape)}")
+    if scale.device.type == "cpu" and not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"fp8a2a: a tensor scale must be finite and positive, got {float(scale)}")
+    return scale.reshape(())
 
 
 def scale_for_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +86,7 @@ def quantize(x: torch.Tensor, granularity: str = "row", scale: Optional[torch.Te
     if scale is not None:
         if code != ops.GRANULARITY["tensor"]:
             raise ValueError("fp8a2a: a given scale is only meaningful for granularity='tensor'")
-        scale = scale.reshape(()).to(device=x.device, dtype=torch.float32)
+        scale = checked_tensor_scale(scale).to(device=x.device)
     data, s = ops.quantize(x.detach(), code, scale)
     return QuantizedTensor(data, s, granularity, grad_anchor=x if x.requires_grad else None)
 

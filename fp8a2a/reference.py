@@ -4,6 +4,8 @@ Used by the tests (as ground truth) and by the benchmarks (as the eager-torch wa
 write it: amax, div, cast, index_select / scatter). Never on the fast path."""
 import torch
 
+from .quant import scale_rule
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -19,14 +21,12 @@ def quantize_reference(x: torch.Tensor, granularity: str = "row", scale: torch.T
     if granularity == "tensor":
         if scale is None:
             amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
-            scale = torch.where(amax == 0, torch.ones_like(amax), _div(amax, torch.full_like(amax, 448.0)))
+            scale = scale_rule(amax)[1]
         scale = scale.reshape(()).float()
         return (xf * _div(1.0, scale)).to(FP8), scale
     blocks = xf.view(t, h // 128, 128) if granularity == "block128" else xf.view(t, 1, h)
     amax = blocks.abs().amax(dim=-1)  # propagates NaN
-    zero = amax == 0
-    q = torch.where(zero, torch.ones_like(amax), _div(448.0, amax))
-    s = torch.where(zero, torch.ones_like(amax), torch.div(amax, torch.full_like(amax, 448.0)))
+    q, s = scale_rule(amax)
     data = (blocks * q.unsqueeze(-1)).to(FP8).view(t, h)
     return data, (s.view(t) if granularity == "row" else s)
 

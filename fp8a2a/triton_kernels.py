@@ -270,9 +270,9 @@ def _act(g, u, ACT: tl.constexpr):
 @triton.jit
 def _scale_rule(amax):
     """(quantize multiplier 448 / amax, dequant scale amax / 448) by the package rule: IEEE divisions,
-    both 1 where amax is 0."""
+    both 1 where amax is 0, a nonzero amax below 2^-117 (quant.AMAX_FLOOR) counted as 2^-117."""
     zero = amax == 0.0
-    a1 = tl.where(zero, 1.0, amax)
+    a1 = tl.where(zero, 1.0, tl.where(amax < 6.018531076210112e-36, 6.018531076210112e-36, amax))
     return tl.where(zero, 1.0, tl.math.div_rn(448.0, a1)), tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
 
 

@@ -2,6 +2,8 @@
 
 Each rank regenerates every rank's inputs from one seed, so it can compute what it must receive
 (exact FP8 bytes, order, weights, counts) and what combine and the gradients must give."""
+import math
+
 import pytest
 import torch
 
@@ -139,6 +141,7 @@ CASES = {
     "receives_nothing": dict(routing="one_rank"),  # every expert lives on rank 0
     "capacity_with_drops": dict(capacity_factor=0.5, routing="skewed"),
     "capacity_no_drops": dict(capacity_factor=4.0, topk=4),
+    "capacity_empty": dict(capacity_factor=1.0, tokens=0),  # padding rows only
     "expert_tp2": dict(tp=2),
     "expert_tp2_block128": dict(tp=2, granularity="block128", topk=4),
 }
@@ -194,7 +197,7 @@ def _expect_error_everywhere(fn, world=2):
         except (ValueError, RuntimeError) as e:
             return str(e)
         return None
-    msgs = run_ranks(world, wrapped)
+    msgs = run_ranks(world, wrapped, timeout=120)  # a hang fails the test instead of stalling CI
     assert all(m is not None for m in msgs), msgs
     return msgs
 
@@ -208,12 +211,59 @@ def test_bad_expert_ids_raise_on_every_rank():
     assert all("expert ids outside" in m for m in _expect_error_everywhere(fn))
 
 
+@pytest.mark.parametrize("case", ["weights_shape", "x_float64", "idx_int16", "tensor_amax", "idx_int16_tensor",
+                                  "block128_small_rank"])
+def test_input_rejected_on_one_rank_raises_on_every_rank(case):
+    # Rank 1's input is bad, rank 0's is fine: rank 0 must raise too, not wait in the exchange.
+    def fn(rank, world):
+        gran = "tensor" if case.startswith("tensor") or case.endswith("tensor") else "row"
+        hidden = 100 if case == "block128_small_rank" else 64
+        xs, idxs, ws = make_inputs(world, [2, 64] if case == "block128_small_rank" else 8, hidden, 8, 2, torch.bfloat16)
+        x, idx, w = xs[rank], idxs[rank], ws[rank]
+        if rank == 1:
+            if case == "weights_shape" or case == "tensor_amax":
+                w = w[:, :1]
+            elif case == "x_float64":
+                x = x.double()
+            elif case.startswith("idx_int16"):
+                idx = idx.to(torch.int16)
+        granularity = "block128" if case == "block128_small_rank" else gran
+        fp8a2a.Dispatcher(8, granularity=granularity, bf16_below_bytes=1000).dispatch(x, idx, w)
+    msgs = _expect_error_everywhere(fn)
+    if case == "block128_small_rank":  # a configuration error: every rank finds it itself
+        assert all("block128" in m for m in msgs), msgs
+    else:
+        assert "rejected their dispatch input" in msgs[0] and "ranks [1]" in msgs[0], msgs
+        assert "rejected" not in msgs[1], msgs
+
+
 def test_hidden_mismatch_raises_on_every_rank():
     def fn(rank, world):
         x = torch.randn(8, 64 if rank == 0 else 128, dtype=torch.bfloat16)
         idx = torch.randint(0, 8, (8, 2))
         fp8a2a.Dispatcher(8, bf16_below_bytes=0).dispatch(x, idx, torch.rand(8, 2))
     assert all("hidden" in m for m in _expect_error_everywhere(fn))
+
+
+def test_tensor_scale_must_agree_and_be_valid():
+    def fn(rank, world):
+        fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=torch.tensor(0.01 if rank == 0 else 0.02))
+    assert all("disagree" in m for m in _expect_error_everywhere(fn))
+    with pytest.raises(ValueError, match="finite and positive"):
+        fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=torch.tensor(0.0))
+
+
+def test_tensor_mode_nan_poisons_every_rank_alike():
+    # Without a given scale the ranks all-reduce their amax; a NaN must not vanish in it.
+    def fn(rank, world, nan_rank):
+        xs, idxs, ws = make_inputs(world, 8, 64, 8, 2, torch.float32)
+        if rank == nan_rank:
+            xs[rank][2, 5] = float("nan")
+        out = fp8a2a.Dispatcher(8, granularity="tensor", bf16_below_bytes=0).dispatch(xs[rank], idxs[rank], ws[rank])
+        return bool(out.dequantized(torch.float32).isnan().all()), float(out.tokens.scale)
+    for nan_rank in (0, 1):
+        res = run_ranks(2, fn, nan_rank, timeout=120)
+        assert all(r[0] for r in res) and all(math.isinf(r[1]) for r in res), res
 
 
 def test_num_experts_mismatch_raises_on_every_rank():
@@ -232,12 +282,16 @@ def test_wrong_group_and_bad_shapes():
         d.dispatch(torch.randn(4, 16), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 3))
     with pytest.raises(ValueError):
         d.dispatch(torch.randn(4, 16), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
-    with pytest.raises(RuntimeError, match="block128"):
-        fp8a2a.Dispatcher(8, granularity="block128", bf16_below_bytes=0).dispatch(
-            torch.randn(4, 200), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
-    with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
-        d2 = fp8a2a.Dispatcher(8, bf16_below_bytes=0)
-        d2.dispatch(torch.zeros(4, 16, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
+    for below in (0, 1 << 20):  # also when the input is small enough to go unquantized
+        with pytest.raises(ValueError, match="block128"):
+            fp8a2a.Dispatcher(8, granularity="block128", bf16_below_bytes=below).dispatch(
+                torch.randn(4, 200), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
+        for dtype in (torch.int32, torch.float64):
+            with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+                fp8a2a.Dispatcher(8, bf16_below_bytes=below).dispatch(
+                    torch.zeros(4, 16, dtype=dtype), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
+    with pytest.raises(ValueError, match="hidden size 0"):
+        d.dispatch(torch.randn(4, 0), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
     out = d.dispatch(torch.randn(4, 16), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
     with pytest.raises(ValueError, match="expert_out"):
         d.combine(torch.randn(3, 16), out.handle)

@@ -300,6 +300,16 @@ def test_fp8_weight_cache_refreshes_after_a_fused_optimizer_step():
     torch.testing.assert_close(b[0].float() * b[1][..., None], w.detach().float(), rtol=0.07, atol=1e-3)
 
 
+def test_fp8_weight_cache_invalidated_by_hand_after_data_writes():
+    w = torch.nn.Parameter(torch.randn(2, 32, 64))
+    a = fp8_weight(w)
+    w.data.mul_(2)  # a write through .data: no version bump, no optimizer step
+    fp8a2a.invalidate_fp8_weight_cache()
+    b = fp8_weight(w)
+    assert b is not a
+    torch.testing.assert_close(b[1], a[1] * 2)
+
+
 def test_zero_rows():
     mlp = FP8GroupedMLP(3, 128, 32)
     x = torch.zeros(0, 128, requires_grad=True)

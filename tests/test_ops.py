@@ -60,6 +60,25 @@ def test_special_rows():
     assert rel < 0.04
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("granularity", ["row", "block128", "tensor"])
+def test_tiny_rows_stay_finite(dtype, granularity):
+    # amax below 448 / FLT_MAX (~1.3e-36) would make 448 / amax inf and the row's zeros NaN
+    x = torch.zeros(4, 256)
+    x[0, 0], x[1, 0], x[1, 5], x[2, 130] = 2e-36, 1e-36, -3e-38, 1e-37
+    if granularity != "tensor":  # one scale for all: 1e-30 beside 1e-36 would round those to 0
+        x[3, 7] = 1e-30
+    x = x.to(dtype)
+    q = fp8a2a.quantize(x, granularity)
+    data, scale = quantize_reference(x, granularity)
+    assert torch.equal(u8(q.data), u8(data)) and torch.equal(q.scale, scale)
+    assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
+    xh = fp8a2a.dequantize(q, torch.float32)
+    assert torch.isfinite(xh).all() and torch.equal(xh == 0, x.float() == 0)
+    nz = x.float() != 0
+    assert torch.allclose(xh[nz], x.float()[nz], rtol=0.07, atol=0)
+
+
 def test_roundtrip_error_bound():
     x = torch.randn(256, 7168)
     xh = fp8a2a.dequantize(fp8a2a.quantize(x), torch.float32)
@@ -91,6 +110,11 @@ def test_bad_inputs():
         fp8a2a.quantize(torch.randn(4, 2, 64))
     with pytest.raises(RuntimeError, match="contiguous"):
         fp8a2a.quantize(torch.randn(128, 4).t())
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite and positive"):
+            fp8a2a.quantize(torch.randn(4, 128), "tensor", scale=torch.tensor(bad))
+    with pytest.raises(ValueError, match="one element"):
+        fp8a2a.quantize(torch.randn(4, 128), "tensor", scale=torch.ones(2))
     q = fp8a2a.quantize(torch.randn(4, 128))
     with pytest.raises(RuntimeError, match="row scale"):
         ops.dequantize(q.data, q.scale[:3], torch.float32)
