@@ -122,9 +122,15 @@ class Dispatcher:
         self.fp8_combine = fp8_combine
         self.fp8_dispatch_backward = fp8_dispatch_backward
         self.bf16_below_bytes = bf16_below_bytes
+        # the caller's tensor itself is kept (in-place updates reach the next call); its value is
+        # checked once here, on the host (one sync per Dispatcher for a device scale)
+        scale_error = None
         if tensor_scale is not None:
-            tensor_scale = checked_tensor_scale(tensor_scale)
-            checked_tensor_scale(tensor_scale.cpu())  # the value of a device scale too: one sync per Dispatcher
+            try:
+                checked_tensor_scale(torch.as_tensor(tensor_scale).cpu())
+            except ValueError as e:
+                scale_error = e
+            tensor_scale = torch.as_tensor(tensor_scale)
         self.tensor_scale = tensor_scale
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"fp8a2a: capacity_factor must be positive, got {capacity_factor}")
@@ -132,13 +138,26 @@ class Dispatcher:
         self._validated_shapes = set()
         self.local = self.world == 1 and not (always_communicate and dist.is_initialized())
         if self.world > 1:
-            self._check_agreement()
+            self._check_agreement(scale_error)
+        elif scale_error is not None:
+            raise scale_error
 
-    def _check_agreement(self):
+    def _check_agreement(self, scale_error=None):
         # Once per Dispatcher, not per call: every rank must agree on the expert count and format,
-        # or the per-call exchanges would have mismatched sizes (a hang, not an error).
-        scale_bits = -1 if self.tensor_scale is None else int(self.tensor_scale.cpu().view(torch.int32))
+        # or the per-call exchanges would have mismatched sizes (a hang, not an error). A rank with
+        # an invalid tensor scale joins the gather too (-2), so that every rank raises.
+        if scale_error is not None:
+            scale_bits = -2
+        elif self.tensor_scale is None:
+            scale_bits = -1
+        else:
+            scale_bits = int(self.tensor_scale.detach().float().cpu().reshape(()).view(torch.int32))
         every = self._gather_ints([self.num_experts, self.code, self.tp, scale_bits])
+        if scale_error is not None:
+            raise scale_error
+        invalid = [r for r, v in enumerate(every) if v[3] == -2]
+        if invalid:
+            raise ValueError(f"fp8a2a: ranks {invalid} were given an invalid tensor_scale (their error says why)")
         if any(v != every[0] for v in every):
             raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code, expert_tp_size, "
                              f"tensor_scale as float32 bits, -1: none): {every}")
@@ -236,12 +255,16 @@ class Dispatcher:
         hanging. Capacity mode reads no header after a shape's first call: see README's limits."""
         if self.local:
             return
-        device = self._device()
-        if self.code == ops.GRANULARITY["tensor"] and self.tensor_scale is None and not reduced:
-            dist.all_reduce(torch.zeros((), device=device), op=dist.ReduceOp.MAX, group=self.group)
-        header = torch.zeros((self.world, ops.COUNTS_HEADER + self.num_local_experts), dtype=torch.int64, device=device)
-        header[:, ops.BAD_IDS] = -1  # a count of bad ids is >= 0: -1 marks a rejected input
-        self._exchange_counts(header)
+        try:
+            device = self._device()
+            if self.code == ops.GRANULARITY["tensor"] and self.tensor_scale is None and not reduced:
+                dist.all_reduce(torch.zeros((), device=device), op=dist.ReduceOp.MAX, group=self.group)
+            header = torch.zeros((self.world, ops.COUNTS_HEADER + self.num_local_experts), dtype=torch.int64,
+                                 device=device)
+            header[:, ops.BAD_IDS] = -1  # a count of bad ids is >= 0: -1 marks a rejected input
+            self._exchange_counts(header)
+        except Exception:  # e.g. the peers are gone: the input error is the one the caller must see
+            pass
 
     def _replicate_over_tp(self, topk_idx, topk_weights):
         """Expert TP as routing: expert e becomes one virtual expert on each TP rank of its EP rank,
@@ -262,7 +285,7 @@ class Dispatcher:
         amax = tensor_amax(x)
         if self.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
             # NaN as inf: a MAX all-reduce may drop NaN (gloo, by rank order); inf poisons every rank alike
-            amax = torch.nan_to_num(amax, nan=math.inf)
+            amax = torch.nan_to_num(amax, nan=math.inf, posinf=math.inf)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         return scale_of_amax(amax)
 

@@ -59,15 +59,20 @@ def scale_of_amax(amax: torch.Tensor) -> torch.Tensor:
     return scale_rule(amax)[1]
 
 
+# The smallest dequant scale the rule gives (AMAX_FLOOR / 448 in float32): a given scale below it
+# would make the multiplier 1 / scale overflow.
+MIN_SCALE = scale_rule(torch.tensor(AMAX_FLOOR))[1].item()
+
+
 def checked_tensor_scale(scale) -> torch.Tensor:
     """A given tensor scale (a number or a one-element tensor) as a float32 scalar tensor. Its value
-    must be finite and positive; that is checked where reading it costs no device sync (a number or
-    a CPU tensor)."""
+    must be finite and at least MIN_SCALE; that is checked where reading it costs no device sync (a
+    number or a CPU tensor)."""
     scale = torch.as_tensor(scale, dtype=torch.float32)
     if scale.numel() != 1:
         raise ValueError(f"fp8a2a: a tensor scale has one element, got shape {tuple(scale.shape)}")
-    if scale.device.type == "cpu" and not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"fp8a2a: a tensor scale must be finite and positive, got {float(scale)}")
+    if scale.device.type == "cpu" and not (math.isfinite(float(scale)) and float(scale) >= MIN_SCALE):
+        raise ValueError(f"fp8a2a: a tensor scale must be finite and >= {MIN_SCALE:.3g}, got {float(scale)}")
     return scale.reshape(())
 
 

@@ -145,12 +145,15 @@ def _compare_combine_rows(a, b, hidden, dtype, quant, extra_k, name):
 # ---------------------------------------------------------------------------------------------
 def make_x(t, h, dtype, g, special=True, scale=1.0):
     """Rows from 1e-6 to 1e3 in magnitude, some with a wide range inside the row (e4m3 subnormals,
-    saturation), plus a zero row, a NaN row, a -inf row and an all-inf row."""
+    saturation), a row with an amax below the scale rule's floor (2^-117), plus a zero row, a NaN
+    row, a -inf row and an all-inf row."""
     if t == 0 or h == 0:
         return torch.zeros(t, h, dtype=dtype)
     x = torch.randn(t, h, generator=g) * torch.logspace(-6, 3, t).unsqueeze(1) * scale
     if t >= 6:
         x[5] *= torch.logspace(-4, 0, h)
+    if t >= 7:
+        x[6] = x[6] / x[6].abs().amax().clamp_min(1e-30) * 2e-36  # 448 / amax would overflow
     if special and t >= 5:
         x[1] = 0
         x[2, h // 2] = float("nan")

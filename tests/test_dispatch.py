@@ -249,21 +249,29 @@ def test_tensor_scale_must_agree_and_be_valid():
     def fn(rank, world):
         fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=torch.tensor(0.01 if rank == 0 else 0.02))
     assert all("disagree" in m for m in _expect_error_everywhere(fn))
-    with pytest.raises(ValueError, match="finite and positive"):
+
+    def invalid_on_one_rank(rank, world):  # the valid rank must not wait in the agreement gather
+        fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=torch.tensor(0.01 if rank == 0 else 0.0))
+    msgs = _expect_error_everywhere(invalid_on_one_rank)
+    assert "ranks [1] were given an invalid tensor_scale" in msgs[0] and "finite and >=" in msgs[1], msgs
+    with pytest.raises(ValueError, match="finite and >="):
         fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=torch.tensor(0.0))
+    scale = torch.tensor(0.01, dtype=torch.bfloat16)
+    assert fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=scale).tensor_scale is scale  # kept, not copied
 
 
-def test_tensor_mode_nan_poisons_every_rank_alike():
-    # Without a given scale the ranks all-reduce their amax; a NaN must not vanish in it.
-    def fn(rank, world, nan_rank):
+def test_tensor_mode_nan_or_inf_poisons_every_rank_alike():
+    # Without a given scale the ranks all-reduce their amax; a NaN or Inf must not vanish in it.
+    def fn(rank, world, nan_rank, bad):
         xs, idxs, ws = make_inputs(world, 8, 64, 8, 2, torch.float32)
         if rank == nan_rank:
-            xs[rank][2, 5] = float("nan")
+            xs[rank][2, 5] = bad
         out = fp8a2a.Dispatcher(8, granularity="tensor", bf16_below_bytes=0).dispatch(xs[rank], idxs[rank], ws[rank])
         return bool(out.dequantized(torch.float32).isnan().all()), float(out.tokens.scale)
     for nan_rank in (0, 1):
-        res = run_ranks(2, fn, nan_rank, timeout=120)
-        assert all(r[0] for r in res) and all(math.isinf(r[1]) for r in res), res
+        for bad in (float("nan"), float("inf")):
+            res = run_ranks(2, fn, nan_rank, bad, timeout=120)
+            assert all(r[0] for r in res) and all(math.isinf(r[1]) for r in res), (nan_rank, bad, res)
 
 
 def test_num_experts_mismatch_raises_on_every_rank():

@@ -21,13 +21,16 @@ def u8(t):
 
 
 def nasty(t, h, dtype, seed=0):
-    """Rows spanning 1e-6 .. 1e3 in magnitude, a zero row, a NaN row and an Inf row."""
+    """Rows spanning 1e-6 .. 1e3 in magnitude, a zero row, a NaN row, an Inf row and a row whose
+    amax is below the scale rule's floor (2^-117; zero in float16)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g) * torch.logspace(-6, 3, t).unsqueeze(1)
     if t >= 4:
         x[1] = 0
         x[2, h // 2] = float("nan")
         x[3, 0] = float("-inf")
+    if t >= 6:
+        x[5] = x[5] / x[5].abs().amax() * 2e-36
     return x.to(dtype)
 
 
@@ -110,8 +113,8 @@ def test_bad_inputs():
         fp8a2a.quantize(torch.randn(4, 2, 64))
     with pytest.raises(RuntimeError, match="contiguous"):
         fp8a2a.quantize(torch.randn(128, 4).t())
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="finite and positive"):
+    for bad in (0.0, -1.0, 1e-39, float("nan"), float("inf")):  # 1e-39: 1 / scale would overflow
+        with pytest.raises(ValueError, match="finite and >="):
             fp8a2a.quantize(torch.randn(4, 128), "tensor", scale=torch.tensor(bad))
     with pytest.raises(ValueError, match="one element"):
         fp8a2a.quantize(torch.randn(4, 128), "tensor", scale=torch.ones(2))
