@@ -494,9 +494,12 @@ def _as_quantized(q) -> QuantizedTensor:
 
 def _offsets(tokens_per_expert, rows, num_experts, device, check):
     tpe = torch.as_tensor(tokens_per_expert)
-    if tpe.dim() != 1 or tpe.numel() != num_experts or tpe.is_floating_point():
+    if (tpe.dim() != 1 or tpe.numel() != num_experts or tpe.is_floating_point() or tpe.is_complex()
+            or tpe.dtype == torch.bool or tpe.device.type == "meta"):
         raise ValueError(f"fp8a2a: tokens_per_expert must be a 1-D integer tensor of {num_experts} counts "
-                         f"(one per local expert), got {tpe.dtype} of shape {tuple(tpe.shape)}")
+                         f"(one per local expert), got {tpe.dtype} of shape {tuple(tpe.shape)} on {tpe.device}")
+    if check not in (None, True, False, "sync", "async"):
+        raise ValueError(f"fp8a2a: check must be None, True, False, 'sync' or 'async', got {check!r}")
     if check is None:
         check = "sync" if tpe.device.type == "cpu" else "async"
     if check is True or check == "sync":
@@ -504,9 +507,13 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
         if bool((counts < 0).any()) or int(counts.sum()) != rows:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
                              f"but the input has {rows} rows (they must match, no count negative)")
-    offs = torch.cumsum(tpe.to(device, non_blocking=True), 0, dtype=torch.int32)
-    if check == "async" and num_experts and not torch.cuda.is_current_stream_capturing():
-        torch._assert_async(offs[-1] == rows, "fp8a2a: tokens_per_expert does not sum to the rows given")
+    tpe = tpe.to(device, non_blocking=True)
+    offs = torch.cumsum(tpe, 0, dtype=torch.int32)
+    capturing = offs.is_cuda and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
+    if check == "async" and num_experts and not capturing:
+        # a negative count would make the offsets go back: the GEMMs would read outside the groups
+        torch._assert_async((offs[-1] == rows) & (tpe.min() >= 0),
+                            "fp8a2a: tokens_per_expert does not sum to the rows given, or a count is negative")
     return offs
 
 

@@ -332,6 +332,15 @@ def test_bad_tokens_per_expert():
         mlp(q, torch.tensor([12, -2, 0]))
     with pytest.raises(ValueError, match="columns"):
         mlp(make_q(torch.randn(10, 256)), torch.tensor([10, 0, 0]))
+    for bad in (torch.tensor([True, True, False]), torch.zeros(3, dtype=torch.long, device="meta")):
+        with pytest.raises(ValueError, match="integer tensor"):
+            mlp(q, bad)
+    with pytest.raises(ValueError, match="check must be"):
+        mlp(q, torch.tensor([10, 0, 0]), check="bogus")
+    # the GPU default (no host read): asserted on the device; on CPU _assert_async raises at once
+    for counts in ([12, -2, 0], [4, 0, 5]):
+        with pytest.raises(RuntimeError, match="count is negative"):
+            mlp(q, torch.tensor(counts), check="async")
 
 
 def test_backend_selection_on_cpu():
