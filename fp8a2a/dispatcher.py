@@ -225,6 +225,9 @@ class Dispatcher:
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, apply_weights: bool = True) -> torch.Tensor:
         """y [T, H] in x.dtype: sum over k of weight * expert row (apply_weights=False: unweighted)."""
+        if not isinstance(expert_out, torch.Tensor):
+            raise TypeError(f"fp8a2a: combine expects expert_out as a torch.Tensor (dequantize a QuantizedTensor "
+                            f"first), got {type(expert_out).__name__}")
         if expert_out.dim() != 2 or expert_out.shape != (handle.num_rows, handle.hidden):
             raise ValueError(f"fp8a2a: expert_out must be [{handle.num_rows}, {handle.hidden}] (the dispatched rows), "
                              f"got {tuple(expert_out.shape)}")
@@ -234,6 +237,9 @@ class Dispatcher:
     # ---- pieces used by the autograd functions ---------------------------------------------
 
     def _check_inputs(self, x, topk_idx, topk_weights):
+        for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"fp8a2a: dispatch expects {name} as a torch.Tensor, got {type(t).__name__}")
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"fp8a2a: expected x [T, H] and topk_idx [T, K], got {tuple(x.shape)} and "
                              f"{tuple(topk_idx.shape)}")

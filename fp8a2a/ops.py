@@ -40,6 +40,10 @@ def _scale_shape(rows, hidden, granularity):
 
 @torch.library.register_fake("fp8a2a::quantize")
 def _(x, granularity, scale):
+    # the real op's argument checks (csrc/ops.h), so that a traced call fails as an eager one does
+    torch._check(granularity in (0, 1, 2), lambda: "fp8a2a: quantize takes granularity row, block128 or tensor")
+    torch._check(granularity != 1 or x.shape[1] % BLOCK == 0,
+                 lambda: f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
     return x.new_empty(x.shape, dtype=FP8), x.new_empty(_scale_shape(x.shape[0], x.shape[1], granularity),
                                                         dtype=torch.float32)
 

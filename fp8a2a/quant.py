@@ -6,7 +6,7 @@ scale = amax / 448, so x ~= data.float() * scale. An all-zero row gets scale 1; 
 Casts are round-to-nearest-even and saturate at +-448.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -14,14 +14,15 @@ import torch
 from . import ops
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity, like tensors (field-wise == of tensors is ambiguous)
 class QuantizedTensor:
     data: torch.Tensor  # float8_e4m3fn [T, H]
     scale: torch.Tensor  # float32: [T] row, [T, H // 128] block128, [] tensor
     granularity: str = "row"
     # Gradient carrier (internal): dequantize/grouped_linear hand their input gradient to this
-    # tensor (straight-through), which reaches x or the dispatcher's backward.
-    grad_anchor: Optional[torch.Tensor] = None
+    # tensor (straight-through), which reaches x or the dispatcher's backward. Not printed: for
+    # dispatched rows it is an expanded placeholder, never read.
+    grad_anchor: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def shape(self):
@@ -87,6 +88,8 @@ def quantize(x: torch.Tensor, granularity: str = "row", scale: Optional[torch.Te
     For granularity='tensor', `scale` (the dequant multiplier, a one-element float32 tensor) may be
     given, e.g. agreed across ranks; otherwise it comes from this tensor's amax. Gradients pass
     straight through to `x` when the result is dequantized or fed to grouped_linear."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fp8a2a: quantize expects a float tensor, got {type(x).__name__}")
     code = ops.granularity_code(granularity)
     if scale is not None:
         if code != ops.GRANULARITY["tensor"]:
@@ -109,6 +112,8 @@ class _Dequantize(torch.autograd.Function):
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x_hat = q.data * q.scale in `dtype`; differentiable (straight-through) when q carries a gradient."""
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"fp8a2a: dequantize expects a QuantizedTensor, got {type(q).__name__}")
     if q.grad_anchor is not None and torch.is_grad_enabled():
         return _Dequantize.apply(q.data, q.scale, q.grad_anchor, dtype)
     return ops.dequantize(q.data, q.scale, dtype)

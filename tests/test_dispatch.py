@@ -298,11 +298,15 @@ def test_wrong_group_and_bad_shapes():
             with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
                 fp8a2a.Dispatcher(8, bf16_below_bytes=below).dispatch(
                     torch.zeros(4, 16, dtype=dtype), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
+    with pytest.raises(TypeError, match="x as a torch.Tensor"):
+        d.dispatch(fp8a2a.quantize(torch.randn(4, 16)), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
     with pytest.raises(ValueError, match="hidden size 0"):
         d.dispatch(torch.randn(4, 0), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
     out = d.dispatch(torch.randn(4, 16), torch.zeros(4, 1, dtype=torch.long), torch.rand(4, 1))
     with pytest.raises(ValueError, match="expert_out"):
         d.combine(torch.randn(3, 16), out.handle)
+    with pytest.raises(TypeError, match="dequantize a QuantizedTensor first"):
+        d.combine(fp8a2a.quantize(torch.randn(4, 16)), out.handle)
 
 
 def test_one_copy_per_destination_rank():

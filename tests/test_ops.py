@@ -119,8 +119,24 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="one element"):
         fp8a2a.quantize(torch.randn(4, 128), "tensor", scale=torch.ones(2))
     q = fp8a2a.quantize(torch.randn(4, 128))
+    with pytest.raises(TypeError, match="got QuantizedTensor"):
+        fp8a2a.quantize(q)
+    with pytest.raises(TypeError, match="expects a QuantizedTensor"):
+        fp8a2a.dequantize(torch.randn(4, 128))
+    assert q != fp8a2a.quantize(torch.randn(4, 128)) and q == q  # identity, never an ambiguous tensor ==
+    assert "grad_anchor" not in repr(fp8a2a.quantize(torch.randn(4, 128, requires_grad=True)))
     with pytest.raises(RuntimeError, match="row scale"):
         ops.dequantize(q.data, q.scale[:3], torch.float32)
+
+
+def test_fake_quantize_checks_like_the_real_op():
+    # under torch.compile the fake runs at trace time: it must reject what the op rejects
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    for gran, msg in ((1, "block128 granularity needs hidden % 128"), (3, "takes granularity row, block128 or tensor")):
+        with pytest.raises(RuntimeError, match=msg):
+            ops._ops.quantize(torch.randn(4, 100), gran, None)
+        with FakeTensorMode(), pytest.raises(RuntimeError, match=msg):
+            ops._ops.quantize(torch.randn(4, 100), gran, None)
 
 
 def test_hidden_not_multiple_of_16_and_empty():
