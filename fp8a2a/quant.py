@@ -48,9 +48,8 @@ def scale_rule(amax: torch.Tensor):
     """(quant multiplier 448 / amax, dequant scale amax / 448) of float32 amaxes by the package rule
     (csrc/fp8_common.h): IEEE divisions (torch.div), both 1 where amax is 0, a nonzero amax below
     AMAX_FLOOR counted as AMAX_FLOOR, NaN kept."""
-    zero = amax == 0
-    a = torch.where(zero, torch.ones_like(amax), torch.where(amax < AMAX_FLOOR, torch.full_like(amax, AMAX_FLOOR), amax))
-    one = torch.ones_like(amax)
+    zero, one = amax == 0, torch.ones_like(amax)
+    a = torch.where(zero, one, amax.clamp_min(AMAX_FLOOR))  # clamp keeps NaN
     return (torch.where(zero, one, torch.div(torch.full_like(amax, 448.0), a)),
             torch.where(zero, one, torch.div(a, torch.full_like(amax, 448.0))))
 
