@@ -123,14 +123,16 @@ class Dispatcher:
         self.fp8_dispatch_backward = fp8_dispatch_backward
         self.bf16_below_bytes = bf16_below_bytes
         # the caller's tensor itself is kept (in-place updates reach the next call); its value is
-        # checked once here, on the host (one sync per Dispatcher for a device scale)
-        scale_error = None
+        # read once here, on the host (one sync per Dispatcher for a device scale): checked, and as
+        # float32 bits for the agreement check (-1: no scale, -2: an invalid one)
+        scale_error, scale_bits = None, -1
         if tensor_scale is not None:
-            try:
-                checked_tensor_scale(torch.as_tensor(tensor_scale).cpu())
-            except ValueError as e:
-                scale_error = e
             tensor_scale = torch.as_tensor(tensor_scale)
+            host = tensor_scale.detach().float().cpu()
+            try:
+                scale_bits = int(checked_tensor_scale(host).view(torch.int32))
+            except ValueError as e:
+                scale_error, scale_bits = e, -2
         self.tensor_scale = tensor_scale
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"fp8a2a: capacity_factor must be positive, got {capacity_factor}")
@@ -138,20 +140,14 @@ class Dispatcher:
         self._validated_shapes = set()
         self.local = self.world == 1 and not (always_communicate and dist.is_initialized())
         if self.world > 1:
-            self._check_agreement(scale_error)
+            self._check_agreement(scale_bits, scale_error)
         elif scale_error is not None:
             raise scale_error
 
-    def _check_agreement(self, scale_error=None):
+    def _check_agreement(self, scale_bits, scale_error):
         # Once per Dispatcher, not per call: every rank must agree on the expert count and format,
         # or the per-call exchanges would have mismatched sizes (a hang, not an error). A rank with
         # an invalid tensor scale joins the gather too (-2), so that every rank raises.
-        if scale_error is not None:
-            scale_bits = -2
-        elif self.tensor_scale is None:
-            scale_bits = -1
-        else:
-            scale_bits = int(self.tensor_scale.detach().float().cpu().reshape(()).view(torch.int32))
         every = self._gather_ints([self.num_experts, self.code, self.tp, scale_bits])
         if scale_error is not None:
             raise scale_error
