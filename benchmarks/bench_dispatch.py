@@ -4,7 +4,7 @@ On one GPU (world size 1): on-GPU time, host time per call, kernel launches and 
 call, peak memory, exact wire bytes (and the bytes an 8-rank EP group would move for the same
 routing). Also fp8a2a's capacity mode replayed from a CUDA graph at the small size.
 
-    python scripts/bench_dispatch.py [--json OUT.json]
+    python benchmarks/bench_dispatch.py [--json OUT.json]
 Needs CUDA; the Megatron baseline needs megatron-core (skipped with a message otherwise).
 """
 import argparse

@@ -3,8 +3,8 @@
 the BF16 path a Megatron user has today, in the same run, on DeepSeek-V3, Mixtral and Qwen3 expert
 shapes.
 
-    python scripts/bench_moe_layer.py [--json out.json]            # one GPU (world size 1)
-    torchrun --nproc-per-node 8 scripts/bench_moe_layer.py         # expert parallel over 8 GPUs
+    python benchmarks/bench_moe_layer.py [--json out.json]            # one GPU (world size 1)
+    torchrun --nproc-per-node 8 benchmarks/bench_moe_layer.py         # expert parallel over 8 GPUs
 
 BF16 paths: megatron-core's MoEAlltoAllTokenDispatcher + a BF16 grouped MLP on torch._grouped_mm
 (GPU with megatron-core importable), and always the plain-torch replica of that dispatcher
@@ -328,7 +328,7 @@ def run(args):
         shapes = {k: v for k, v in shapes.items() if any(k.startswith(s) for s in args.shapes)}
     iters = args.iters or (10 if cuda else 3)
     warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
-    result = {"benchmark": "fp8a2a MoE layer (scripts/bench_moe_layer.py)", "functional_only": not cuda,
+    result = {"benchmark": "fp8a2a MoE layer (benchmarks/bench_moe_layer.py)", "functional_only": not cuda,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world": world,
               "torch": torch.__version__, "iters": iters, "shapes": {}, "notes": []}
     for name, shape in shapes.items():

@@ -21,9 +21,9 @@ steps since the previous logged step, val_loss the loss on a fixed held-out set,
 byte), convergence.png and convergence_summary.json, and prints the final validation loss of each
 run relative to bf16.
 
-  python scripts/train_convergence.py --out results                  # GPU, default config
-  python scripts/train_convergence.py --device cpu --tiny --steps 20  # CPU smoke
-  python scripts/train_convergence.py --merge DIR_SEED1 DIR_SEED2 --out results  # several seeds -> one result
+  python examples/train_convergence.py --out results                  # GPU, default config
+  python examples/train_convergence.py --device cpu --tiny --steps 20  # CPU smoke
+  python examples/train_convergence.py --merge DIR_SEED1 DIR_SEED2 --out results  # several seeds -> one result
 """
 import argparse
 import csv
@@ -178,6 +178,7 @@ class MoE(nn.Module):
             frac = F.one_hot(topi, self.cfg.experts).float().mean((0, 1))
             aux = self.cfg.experts * (frac * probs.mean(0)).sum()
             out = self.dispatcher.dispatch(x, topi, topv)
+            self.fp8_wire = isinstance(out.tokens, fp8a2a.QuantizedTensor)  # reported per run
             if self.fp8_mlp:
                 y = self.experts(out.tokens, out.tokens_per_expert)
             else:
@@ -348,7 +349,8 @@ def train(name, cfg, device, batches, steps, rows, deadline=None, quiet=False):
               f"{full:.4f}", flush=True)
     return dict(steps=done, truncated=truncated, wall_s=round(wall, 2), ms_per_step=round(1e3 * wall / max(done, 1), 2),
                 final_train_loss=last[0] if last else None, final_val_loss=last[1] if last else None,
-                final_val_loss_full=full, init_checksum=r.init_checksum)
+                final_val_loss_full=full, init_checksum=r.init_checksum,
+                fp8_wire=all(b.moe.fp8_wire for b in r.model.blocks))
 
 
 def summarize(rows, stats, names):

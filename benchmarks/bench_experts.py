@@ -1,7 +1,7 @@
 """Benchmark fp8a2a.FP8GroupedMLP against a BF16 grouped MLP (torch._grouped_mm), same shapes, same run.
 
-    python scripts/bench_experts.py                       # DeepSeek shape: 8 experts x 2048 rows, 7168 -> 2048
-    python scripts/bench_experts.py --shapes deepseek mixtral qwen3 --json bench_out/experts.json
+    python benchmarks/bench_experts.py                       # DeepSeek shape: 8 experts x 2048 rows, 7168 -> 2048
+    python benchmarks/bench_experts.py --shapes deepseek mixtral qwen3 --json bench_out/experts.json
 
 Times are medians of triton.testing.do_bench (CUDA events) when Triton is there, else of CUDA-event
 loops. 'fwd' is the forward with autograd recording (what training runs), 'fwd+bwd' adds backward

@@ -2,7 +2,7 @@
 """Kernel benchmark: each fp8a2a op's effective bandwidth against a device copy and against the
 eager-torch way of doing the same, plus host time per call.
 
-    python scripts/bench_kernels.py [--json out.json]
+    python benchmarks/bench_kernels.py [--json out.json]
 
 For quantize (row, block128), dispatch_pack, dispatch_unpack, combine_pack, combine_unpack and
 dequantize: effective bandwidth = the bytes the op must read and write / its median time, next
@@ -187,7 +187,7 @@ def run(args):
     calls = args.host_calls or (200 if cuda else 10)
     iters = args.iters or (20 if cuda else 5)
     E, K, R = args.experts, args.topk, args.ranks
-    result = {"benchmark": "fp8a2a kernels (scripts/bench_kernels.py)", "functional_only": not cuda,
+    result = {"benchmark": "fp8a2a kernels (benchmarks/bench_kernels.py)", "functional_only": not cuda,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "shape": {"tokens": T, "hidden": H, "topk": K, "experts": E, "ranks": R},
               "host_shape": {"tokens": args.host_tokens, "hidden": args.host_hidden}, "iters": iters, "ops": []}

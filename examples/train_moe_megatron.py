@@ -2,13 +2,13 @@
 """Train a small GPT with MoE layers, built with megatron-core (local spec, no TransformerEngine),
 with FP8 token dispatch: `--moe-token-dispatcher-type fp8_alltoall` (fp8a2a.megatron).
 
-    python scripts/train_moe_megatron.py --steps 5 --device cpu          # CPU smoke run (gloo)
-    python scripts/train_moe_megatron.py --steps 300                      # one GPU
-    python scripts/train_moe_megatron.py --steps 300 --fp8-experts        # + FP8 expert GEMMs
-    torchrun --nproc-per-node 8 scripts/train_moe_megatron.py --expert-model-parallel-size 8
+    python examples/train_moe_megatron.py --steps 5 --device cpu          # CPU smoke run (gloo)
+    python examples/train_moe_megatron.py --steps 300                      # one GPU
+    python examples/train_moe_megatron.py --steps 300 --fp8-experts        # + FP8 expert GEMMs
+    torchrun --nproc-per-node 8 examples/train_moe_megatron.py --expert-model-parallel-size 8
     # several nodes (run on every node; 4 nodes x 8 GPUs, experts spread over all 32 GPUs):
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 \
-        scripts/train_moe_megatron.py --expert-model-parallel-size 32 --num-experts 64 \
+        examples/train_moe_megatron.py --expert-model-parallel-size 32 --num-experts 64 \
         --moe-token-dispatcher-type fp8_alltoall --fp8a2a-granularity row
 
 The data is synthetic (each sequence follows a fixed random successor table, different data on
