@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU: build, GPU tests, benchmarks.
-#   bash scripts/gpu_session.sh tests     (about 5 min: build, GPU tests, Megatron check)
-#   bash scripts/gpu_session.sh bench     (about 9 min: every benchmark)
-#   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL test suite and the all-to-all sweep on all of them)
+#   bash scripts/gpu_session.sh tests     (build, tests/gpu and the CUDA cases of tests/, Megatron on the GPU)
+#   bash scripts/gpu_session.sh bench     (every benchmark; REPEAT=3 runs each three times)
+#   bash scripts/gpu_session.sh kernels   (benchmarks/bench_kernels.py only, REPEAT times)
+#   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL suite and the all-to-all sweep on all of them)
 #   bash scripts/gpu_session.sh conv      (convergence runs, seeds $CONV_SEEDS (default "1 2"); on a machine of
 #                                          several GPUs they run on the last GPU beside the other modes)
-#   bash scripts/gpu_session.sh profile   (torch-profiler tables: scripts/profile_gpu.py)
-#   modes combine: bash scripts/gpu_session.sh tests,multi
-# Run the two as two device calls (each call may take 600 s; BUDGET_S caps this script, default 570).
-# SKIP="name ..." leaves those steps out. Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the device tool brings
-# back at most 8 files), default OUT=./gpu_out.
-# A machine without internet takes megatron-core (e.g. the 0.19.2 cp312 wheel) from .whl/ if present;
-# without it the Megatron parts skip themselves. Each step has its own time limit so one slow step cannot eat the call.
+#   modes combine: bash scripts/gpu_session.sh tests,kernels
+# One device call may take 600 s (BUDGET_S caps this script, default 570).
+# SKIP="name ..." leaves those steps out. Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the
+# device tool brings back at most 8 files), default OUT=./gpu_out.
+# A machine without internet takes megatron-core (the 0.19.2 cp312 wheel) from .whl/ and TransformerEngine from the
+# bundle in .te/ (../shared/tools/te/README.md) when present; without them the Megatron and TE parts skip themselves.
+# Each step has its own time limit so one slow step cannot eat the call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -22,6 +23,10 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NCCL_NVLS_ENABLE=
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+if [[ -f .te/restore.sh ]]; then  # TransformerEngine 2.20.2 for sm_90 (import torch before transformer_engine)
+  INSTALL=target TARGET=/tmp/site SMOKE=0 bash .te/restore.sh .te > /tmp/te_restore.log 2>&1 \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-} || { echo "TE restore failed:"; tail -5 /tmp/te_restore.log; }
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 # One device command may run 600 s: every step also stops at the overall deadline.
@@ -51,15 +56,14 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 conv() {  # one convergence run per seed: the four variants, identical data order and init within a seed
   local budget=$(( (DEADLINE - SECONDS - 30) / ${#CONV_SEEDS_A[@]} )) rc=0
   for seed in "${CONV_SEEDS_A[@]}"; do
-    step "convergence_seed$seed" $((budget + 20)) python3 scripts/train_convergence.py --seed "$seed" --quiet \
+    step "convergence_seed$seed" $((budget + 20)) python3 examples/train_convergence.py --seed "$seed" --quiet \
       --runs bf16,fp8_row,fp8_block128,fp8_row_fp8mlp --time-budget "$budget" --out "$LOGS/convergence_seed$seed" || rc=1
   done
   return $rc
 }
 read -ra CONV_SEEDS_A <<< "${CONV_SEEDS:-1 2}"
 if [[ $mode == *,multi,* ]] && (( NGPU > 1 )); then
-  step dist_suite 180 torchrun --standalone --nproc-per-node "$NGPU" scripts/dist_suite.py
-  (( NGPU >= 4 )) && step dist_suite_tp2 120 torchrun --standalone --nproc-per-node 4 scripts/dist_suite.py --tp 2
+  step dispatch_nccl 180 torchrun --standalone --nproc-per-node "$NGPU" -m pytest -q tests/gpu/test_dispatch_nccl.py
   step bench_multi 300 torchrun --standalone --nproc-per-node "$NGPU" -m fp8a2a.bench --quiet \
     --out "$LOGS/multi" --json "$LOGS/multi/alltoall_ep$NGPU.json"
 fi
@@ -68,26 +72,28 @@ if [[ $mode == *,conv,* ]]; then
   if (( NGPU > 1 )); then (export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); conv) & conv_pid=$!
   else conv; fi
 fi
+REPEAT=${REPEAT:-1}
 if [[ $mode == *,tests,* ]]; then
-  step check_cuda_ops 120 python3 scripts/check_cuda_ops.py
-  step pytest_gpu 420 python3 -m pytest -q tests/test_dispatch_cuda.py tests/test_ops.py tests/test_experts.py \
-    tests/test_dispatch.py -k "cuda or gpu or CUDA or single_process"
-  step megatron_check 180 python3 scripts/gpu_megatron_check.py
-  step train_moe_megatron 120 python3 scripts/train_moe_megatron.py --steps 200
-  step train_moe_megatron_fp8_experts 120 python3 scripts/train_moe_megatron.py --steps 200 --fp8-experts
-  # the CPU (gloo, forked ranks) Megatron suite against megatron-core 0.19.2: CUDA hidden, as on a CPU machine
-  CUDA_VISIBLE_DEVICES= step pytest_megatron 240 python3 -m pytest -q tests/test_megatron.py
+  # tests/gpu: the CUDA ops against the CPU twins byte for byte, dispatch at world size 1, Megatron + TE
+  step pytest_gpu 300 python3 -m pytest -q -rs tests/gpu -m gpu
+  # the CUDA cases of the CPU test files
+  step pytest_cuda_cases 240 python3 -m pytest -q tests/test_ops.py tests/test_experts.py tests/test_dispatch.py \
+    -k "cuda or gpu or CUDA or single_process"
+  step train_moe_megatron 120 python3 examples/train_moe_megatron.py --steps 200 --fp8-experts
 fi
-if [[ $mode == *,profile,* ]]; then
-  TAIL=200 step profile 240 python3 scripts/profile_gpu.py
+if [[ $mode == *,kernels,* || $mode == *,bench,* ]]; then
+  for i in $(seq "$REPEAT"); do
+    step "bench_kernels_$i" 90 python3 benchmarks/bench_kernels.py --json "$LOGS/kernels_$i.json"
+  done
 fi
 if [[ $mode == *,bench,* ]]; then
-  step bench_kernels 120 python3 scripts/bench_kernels.py --json "$LOGS/kernels.json"
-  step bench_dispatch 120 python3 scripts/bench_dispatch.py --json "$LOGS/dispatch.json"
-  step bench_experts 180 python3 scripts/bench_experts.py --json "$LOGS/experts.json"
-  step bench_moe_layer 240 python3 scripts/bench_moe_layer.py --json "$LOGS/moe_layer.json"
+  for i in $(seq "$REPEAT"); do
+    step "bench_dispatch_$i" 120 python3 benchmarks/bench_dispatch.py --json "$LOGS/dispatch_$i.json"
+    step "bench_experts_$i" 180 python3 benchmarks/bench_experts.py --json "$LOGS/experts_$i.json"
+    step "bench_moe_layer_$i" 240 python3 benchmarks/bench_moe_layer.py --json "$LOGS/moe_layer_$i.json"
+  done
   step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
-  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels.json"
+  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels_1.json"
 fi
 [[ -n $conv_pid ]] && { wait "$conv_pid" || FAILED+=" convergence"; }
 [[ -z $FAILED ]] || { echo "=== failed:$FAILED"; exit 1; }
