@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import ops
 from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_of_amax, tensor_amax
+from .wire import REJECTED, CountsCol, Granularity
 
 # Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
 # exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
@@ -42,13 +43,13 @@ class DispatchHandle:
     topk_weights: torch.Tensor  # float32, detached (only its layout is reused)
     send_pos: torch.Tensor  # [T, R] int32: send row of token t for rank r, or -1
     slot_pos: torch.Tensor = None  # [Nr, K] int32: expert-major row of each received slot, or -1
-    recv_counts: torch.Tensor = None  # [R, ops.COUNTS_HEADER + local experts] int64 (device)
+    recv_counts: torch.Tensor = None  # [R, CountsCol.EXPERTS + local experts] int64 (device)
     send_splits: List[int] = field(default_factory=list)
     recv_splits: List[int] = field(default_factory=list)
     num_rows: int = 0  # expert-major rows N
     hidden: int = 0
     dtype: torch.dtype = torch.bfloat16
-    wire: int = 0  # granularity code on the wire (ops.RAW when sent unquantized)
+    wire: int = 0  # granularity code on the wire (Granularity.RAW when sent unquantized)
     recv_counts_host: List[List[int]] = field(default_factory=list)  # recv_counts as read by the one sync
     weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
     tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
@@ -65,7 +66,7 @@ class DispatchHandle:
         if self.expert_capacity:  # capacity mode: every expert holds its padded rows
             d = self.dispatcher
             return [d.world * self.expert_capacity] * d.num_local_experts
-        return [sum(col) for col in zip(*(row[ops.COUNTS_HEADER:] for row in self.recv_counts_host))]
+        return [sum(col) for col in zip(*(row[CountsCol.EXPERTS:] for row in self.recv_counts_host))]
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Dispatcher:
         self.group = group
         self.rank, self.world = _group_info(group)
         self.granularity = granularity
-        self.code = ops.granularity_code(granularity)
+        self.code = Granularity(ops.granularity_code(granularity))
         if expert_tp_size < 1 or self.world % expert_tp_size:
             raise ValueError(f"fp8a2a: expert_tp_size={expert_tp_size} must divide the group size {self.world}")
         self.tp = expert_tp_size
@@ -211,10 +212,10 @@ class Dispatcher:
             raise
         rows, weights, data, scale, tpe = _DispatchFn.apply(x, topk_weights, handle)
         handle.weights = weights
-        if handle.wire == ops.RAW:
+        if handle.wire == Granularity.RAW:
             tokens = rows
         else:
-            if self.code == ops.GRANULARITY["tensor"]:
+            if self.code == Granularity.TENSOR:
                 scale = handle.tensor_scale
             tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=rows if rows.requires_grad else None)
         return DispatchOutput(tokens, tpe, weights, handle)
@@ -247,7 +248,7 @@ class Dispatcher:
         if x.shape[1] == 0:
             raise ValueError("fp8a2a: x has hidden size 0")
         # checked whatever wire this call takes: a rank under the size threshold must fail like the others
-        if self.code == ops.GRANULARITY["block128"] and x.shape[1] % 128:
+        if self.code == Granularity.BLOCK128 and x.shape[1] % 128:
             raise ValueError(f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
 
     def _fail_peers(self, reduced: bool = True):
@@ -259,11 +260,11 @@ class Dispatcher:
             return
         try:
             device = self._device()
-            if self.code == ops.GRANULARITY["tensor"] and self.tensor_scale is None and not reduced:
+            if self.code == Granularity.TENSOR and self.tensor_scale is None and not reduced:
                 dist.all_reduce(torch.zeros((), device=device), op=dist.ReduceOp.MAX, group=self.group)
-            header = torch.zeros((self.world, ops.COUNTS_HEADER + self.num_local_experts), dtype=torch.int64,
+            header = torch.zeros((self.world, CountsCol.EXPERTS + self.num_local_experts), dtype=torch.int64,
                                  device=device)
-            header[:, ops.BAD_IDS] = -1  # a count of bad ids is >= 0: -1 marks a rejected input
+            header[:, CountsCol.BAD_IDS] = REJECTED
             self._exchange_counts(header)
         except Exception:  # e.g. the peers are gone: the input error is the one the caller must see
             pass
@@ -293,14 +294,14 @@ class Dispatcher:
 
     def _pack(self, x, handle, wire, tensor_scale=None):
         xin = x.detach().contiguous()
-        if wire == ops.RAW:
+        if wire == Granularity.RAW:
             xin = xin.view(torch.uint8)
         return ops.dispatch_pack(xin, handle.topk_idx, handle.topk_weights, self.num_experts * self.tp, self.world,
                                  wire, tensor_scale, handle.rank_capacity)
 
     def _unpack(self, recv, handle, wire):
         """dispatch_unpack; a raw (unquantized) wire's rows come back viewed as [N, hidden] handle.dtype."""
-        raw = wire == ops.RAW
+        raw = wire == Granularity.RAW
         hidden = handle.hidden * handle.dtype.itemsize if raw else handle.hidden
         out = ops.dispatch_unpack(recv, handle.recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1],
                                   handle.num_rows, handle.rank_capacity, handle.expert_capacity)
@@ -310,8 +311,8 @@ class Dispatcher:
         elem = x.element_size()
         capacity = handle.expert_capacity > 0
         # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
-        local = ops.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
-        scale = self._tensor_scale(x) if self.code == ops.GRANULARITY["tensor"] else None
+        local = Granularity.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
+        scale = self._tensor_scale(x) if self.code == Granularity.TENSOR else None
         handle.tensor_scale = scale
         try:
             send, counts, send_pos = self._pack(x, handle, local, scale)
@@ -328,10 +329,10 @@ class Dispatcher:
         if wire != local:  # this rank was under the size threshold but others were not
             send, counts, send_pos = self._pack(x, handle, wire, scale)
         handle.wire, handle.send_pos, handle.recv_counts = wire, send_pos, recv_counts
-        handle.send_splits = [row[ops.ROWS] for row in mine]
-        handle.recv_splits = [row[ops.ROWS] for row in theirs]
+        handle.send_splits = [row[CountsCol.ROWS] for row in mine]
+        handle.recv_splits = [row[CountsCol.ROWS] for row in theirs]
         handle.recv_counts_host = theirs
-        handle.num_rows = sum(sum(row[ops.COUNTS_HEADER:]) for row in theirs)
+        handle.num_rows = sum(sum(row[CountsCol.EXPERTS:]) for row in theirs)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire)
         handle.slot_pos = slot_pos
@@ -352,7 +353,7 @@ class Dispatcher:
         handle.send_splits = handle.recv_splits = [handle.rank_capacity] * self.world
         rows_per_expert = self.world * handle.expert_capacity
         handle.num_rows = self.num_local_experts * rows_per_expert
-        handle.invalid_ids = counts[0, ops.BAD_IDS]
+        handle.invalid_ids = counts[0, CountsCol.BAD_IDS]
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, self.code)
         handle.slot_pos, handle.tokens_received = slot_pos, tpe
@@ -363,23 +364,23 @@ class Dispatcher:
         """Check every rank's header (rows of the counts exchange, as lists: all ranks see all
         headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
         (the size policy is local)."""
-        failed = [r for r, row in enumerate(headers) if row[ops.BAD_IDS] < 0]
+        failed = [r for r, row in enumerate(headers) if row[CountsCol.BAD_IDS] < 0]  # REJECTED
         if failed:
             raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
                                f"this rank raises too instead of waiting for them")
-        bad = [row[ops.BAD_IDS] for row in headers]
+        bad = [row[CountsCol.BAD_IDS] for row in headers]
         if any(bad):
             raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "
                              f"{[r for r, b in enumerate(bad) if b]} ({bad} ids)")
-        topks = [row[ops.TOPK] for row in headers]
+        topks = [row[CountsCol.TOPK] for row in headers]
         if len(set(topks)) != 1:
             raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
-        wires = [row[ops.WIRE] for row in headers]
-        sizes = [row[ops.HIDDEN] // elem if w == ops.RAW else row[ops.HIDDEN] for row, w in zip(headers, wires)]
+        wires = [row[CountsCol.WIRE] for row in headers]
+        sizes = [row[CountsCol.HIDDEN] // elem if w == Granularity.RAW else row[CountsCol.HIDDEN] for row, w in zip(headers, wires)]
         if any(s != hidden for s in sizes):
             raise ValueError(f"fp8a2a: ranks use different hidden sizes: {sizes} (this rank: {hidden})")
-        raw = [w == ops.RAW for w in wires]
-        return ops.RAW if all(raw) else self.code
+        raw = [w == Granularity.RAW for w in wires]
+        return Granularity.RAW if all(raw) else self.code
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -388,7 +389,7 @@ class _DispatchFn(torch.autograd.Function):
         d = handle.dispatcher
         data, scale, weights, tpe = d._forward(x, handle)
         ctx.handle = copy.copy(handle)  # a copy: handle.weights (set later) would close a reference cycle
-        if handle.wire == ops.RAW:  # data: the rows themselves, [N, H] in x's dtype
+        if handle.wire == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
             placeholder = data.new_empty(0)
             ctx.mark_non_differentiable(placeholder, scale, tpe)
             return data, weights, placeholder, scale, tpe
@@ -430,11 +431,11 @@ class _CombineFn(torch.autograd.Function):
         expert_out, weights = ctx.saved_tensors
         # Combine backward moves dy to the experts: a dispatch over the cached layout (FP8 unless
         # the forward dispatch went unquantized), no counts exchange, no host sync.
-        wire = ops.RAW if h.wire == ops.RAW else ops.GRANULARITY["row"]
+        wire = Granularity.RAW if h.wire == Granularity.RAW else Granularity.ROW
         send, _, _ = d._pack(grad_y, h, wire)
         recv = d._exchange(send, h.send_splits, h.recv_splits)
         data, scale, _, _, _, _ = d._unpack(recv, h, wire)  # raw: data is dy's rows in h.dtype
-        raw = wire == ops.RAW
+        raw = wire == Granularity.RAW
         if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
             return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None
         w = weights.detach()

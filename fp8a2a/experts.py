@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .quant import QuantizedTensor, quantize, scale_rule
+from .wire import Granularity
 
 FP8 = torch.float8_e4m3fn
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
@@ -128,7 +129,7 @@ def _dequant(xq, xs, dtype=torch.float32):
 
 def _quant_rows(x):
     """(e4m3 [M, K], scale [M]) of a float [M, K] by the package rule: the extension's quantize kernel."""
-    return ops.quantize(x.contiguous(), ops.GRANULARITY["row"], None)
+    return ops.quantize(x.contiguous(), Granularity.ROW, None)
 
 
 # Fused optimizers (e.g. AdamW(fused=True)) update weights without bumping their version counter,
