@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fp8a2a.bench import main  # noqa: E402
+from fp8a2a.bench.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
