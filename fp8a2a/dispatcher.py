@@ -26,6 +26,31 @@ from .wire import REJECTED, CountsCol, Granularity
 DEFAULT_BF16_BELOW_BYTES = 64 * 1024
 
 
+@dataclass(frozen=True)
+class DispatcherConfig:
+    """A Dispatcher's options (their meaning: see Dispatcher), checked on construction. The group
+    size checks (expert_tp_size divides it) need the group and happen in the Dispatcher."""
+    granularity: str = "row"
+    fp8_combine: bool = False
+    fp8_dispatch_backward: bool = False
+    bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES
+    expert_tp_size: int = 1
+    capacity_factor: Optional[float] = None
+    always_communicate: bool = False
+
+    def __post_init__(self):
+        ops.granularity_code(self.granularity)
+        if int(self.bf16_below_bytes) < 0:
+            raise ValueError(f"fp8a2a: bf16_below_bytes must be >= 0, got {self.bf16_below_bytes}")
+        if self.expert_tp_size < 1:
+            raise ValueError(f"fp8a2a: expert_tp_size must be >= 1, got {self.expert_tp_size}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"fp8a2a: capacity_factor must be positive, got {self.capacity_factor}")
+
+    @property
+    def code(self) -> Granularity:
+        return Granularity(ops.granularity_code(self.granularity))
+
 
 def _group_info(group):
     if not (dist.is_available() and dist.is_initialized()):
@@ -101,28 +126,41 @@ class Dispatcher:
                             ep_rank * expert_tp_size + tp_rank, Megatron's order) and every TP
                             rank of an expert's EP rank receives its tokens (the FP8 all-gather)
                             and returns a partial output that combine sums (the reduce-scatter)
+    config:                 the options above as one DispatcherConfig, instead of as arguments
     """
 
     def __init__(self, num_experts: int, group=None, granularity: str = "row", *, fp8_combine: bool = False,
                  fp8_dispatch_backward: bool = False, bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES,
                  tensor_scale: Optional[torch.Tensor] = None, expert_tp_size: int = 1,
-                 capacity_factor: Optional[float] = None, always_communicate: bool = False):
+                 capacity_factor: Optional[float] = None, always_communicate: bool = False,
+                 config: Optional[DispatcherConfig] = None):
+        given = DispatcherConfig(granularity=granularity, fp8_combine=fp8_combine,
+                                 fp8_dispatch_backward=fp8_dispatch_backward, bf16_below_bytes=bf16_below_bytes,
+                                 expert_tp_size=expert_tp_size, capacity_factor=capacity_factor,
+                                 always_communicate=always_communicate)
+        if config is None:
+            config = given
+        elif given != DispatcherConfig():
+            raise TypeError("fp8a2a: pass the Dispatcher's options either as config= or as arguments, not both")
+        elif not isinstance(config, DispatcherConfig):
+            raise TypeError(f"fp8a2a: config must be a DispatcherConfig, got {type(config).__name__}")
+        self.config = config
         self.group = group
         self.rank, self.world = _group_info(group)
-        self.granularity = granularity
-        self.code = Granularity(ops.granularity_code(granularity))
-        if expert_tp_size < 1 or self.world % expert_tp_size:
-            raise ValueError(f"fp8a2a: expert_tp_size={expert_tp_size} must divide the group size {self.world}")
-        self.tp = expert_tp_size
-        ep = self.world // expert_tp_size
+        self.granularity = config.granularity
+        self.code = config.code
+        if self.world % config.expert_tp_size:
+            raise ValueError(f"fp8a2a: expert_tp_size={config.expert_tp_size} must divide the group size {self.world}")
+        self.tp = config.expert_tp_size
+        ep = self.world // self.tp
         if num_experts < 1 or num_experts % ep:
             raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the expert-parallel "
                              f"size {ep}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
-        self.fp8_combine = fp8_combine
-        self.fp8_dispatch_backward = fp8_dispatch_backward
-        self.bf16_below_bytes = bf16_below_bytes
+        self.fp8_combine = config.fp8_combine
+        self.fp8_dispatch_backward = config.fp8_dispatch_backward
+        self.bf16_below_bytes = config.bf16_below_bytes
         # the caller's tensor itself is kept (in-place updates reach the next call); its value is
         # read once here, on the host (one sync per Dispatcher for a device scale): checked, and as
         # float32 bits for the agreement check (-1: no scale, -2: an invalid one)
@@ -135,11 +173,9 @@ class Dispatcher:
             except ValueError as e:
                 scale_error, scale_bits = e, -2
         self.tensor_scale = tensor_scale
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"fp8a2a: capacity_factor must be positive, got {capacity_factor}")
-        self.capacity_factor = capacity_factor
+        self.capacity_factor = config.capacity_factor
         self._validated_shapes = set()
-        self.local = self.world == 1 and not (always_communicate and dist.is_initialized())
+        self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
         if self.world > 1:
             self._check_agreement(scale_bits, scale_error)
         elif scale_error is not None:
