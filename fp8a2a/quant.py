@@ -1,4 +1,4 @@
-"""QuantizedTensor and the quantize / dequantize entry points (public API, see DESIGN.md).
+"""QuantizedTensor and the quantize / dequantize entry points (public API, see README.md).
 
 Scale rule (csrc/fp8_common.h): per row or 128-block, amax = max |x|; data = e4m3(x * (448 / amax)),
 scale = amax / 448, so x ~= data.float() * scale. An all-zero row gets scale 1; a nonzero amax below
