@@ -14,11 +14,11 @@ own settings (Options.dispatcher_config).
 import sys
 from dataclasses import dataclass, fields, replace
 
-from .. import ops
+from ..wire import QUANTIZED
 from ..dispatcher import DispatcherConfig
 
 FP8_ALLTOALL = "fp8_alltoall"
-GRANULARITIES = tuple(ops.GRANULARITY)
+GRANULARITIES = tuple(g.label for g in QUANTIZED)
 # How Megatron's capacity settings (moe_expert_capacity_factor, moe_pad_expert_input_to_capacity)
 # map onto fp8a2a.Dispatcher (see dispatcher.py):
 #   auto:     drop-and-pad -> the Dispatcher's capacity mode (static shapes, no host sync);
