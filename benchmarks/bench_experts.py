@@ -112,10 +112,9 @@ def run_shape(name, hidden, ffn, args):
     if args.quick:
         variants = variants[:3]
     for gran, backend, fp8_dgrad, fp8_wgrad, fast_accum, native in variants:
-        experts.BLOCK128_NATIVE = native
         be = resolve_backend(backend, torch.device(dev))
         mlp = FP8GroupedMLP(E, hidden, ffn, args.act, backend=backend, fp8_dgrad=fp8_dgrad, fp8_wgrad=fp8_wgrad,
-                            fast_accum=fast_accum, device=dev)
+                            fast_accum=fast_accum, device=dev, config=experts.ExpertsConfig(block128_native=native))
         mlp.load_state_dict(mlp0.state_dict())
         xa = x.clone().requires_grad_()  # the gradient anchor (the dispatcher's input)
         data, scale = quantize_reference(x, gran)
@@ -143,7 +142,6 @@ def run_shape(name, hidden, ffn, args):
                             saved_ratio=sv / (base["saved_mb"] * 2**20), fc1_in_ratio=sv1 / (base["fc1_in_mb"] * 2**20),
                             weight_requant_ms=t_rq))
         print(json.dumps(results[-1]), flush=True)
-    experts.BLOCK128_NATIVE = True
     return results
 
 

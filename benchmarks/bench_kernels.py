@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from fp8a2a import ops  # noqa: E402
-from fp8a2a.bench import percentile  # noqa: E402
+from fp8a2a.bench.report import percentile  # noqa: E402
 from fp8a2a.reference import dequantize_reference, quantize_reference  # noqa: E402
 
 FP8 = torch.float8_e4m3fn

@@ -8,7 +8,7 @@ shapes.
 
 BF16 paths: megatron-core's MoEAlltoAllTokenDispatcher + a BF16 grouped MLP on torch._grouped_mm
 (GPU with megatron-core importable), and always the plain-torch replica of that dispatcher
-(fp8a2a.bench.MegatronStyleAlltoAll) + the same grouped MLP. Router probs are applied inside the
+(fp8a2a.bench.baseline.MegatronStyleAlltoAll) + the same grouped MLP. Router probs are applied inside the
 MLP's activation on every path (Megatron's place); the weights are shared by all paths.
 Also: eager against CUDA-graph replay (the Dispatcher's capacity mode) at a small size.
 Target on one H200 at world size 1: fp8a2a >= 1.8x forward+backward at the DeepSeek shape
@@ -31,7 +31,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fp8a2a  # noqa: E402
-from fp8a2a.bench import MegatronStyleAlltoAll, make_routing, percentile  # noqa: E402
+from fp8a2a.bench.baseline import MegatronStyleAlltoAll, make_routing  # noqa: E402
+from fp8a2a.bench.report import percentile  # noqa: E402
 from fp8a2a.timing import capture_cuda_graph, cuda_median_ms  # noqa: E402
 
 TARGET_SPEEDUP = 1.8

@@ -8,9 +8,9 @@ Backward reuses the same machinery in the other direction: dispatch backward is 
 the row gradients (BF16 by default) that also carries the router-weight gradients; combine
 backward is a dispatch of dy (FP8 by default) over the cached layout, with no counts exchange.
 """
-import copy
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import List, Optional, Union
 
 import torch
@@ -18,12 +18,38 @@ import torch.distributed as dist
 
 from . import ops
 from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_of_amax, tensor_amax
+from .wire import REJECTED, CountsCol, Granularity
 
 # Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
 # exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
 # accuracy. Override per Dispatcher (bf16_below_bytes=0 forces FP8).
 DEFAULT_BF16_BELOW_BYTES = 64 * 1024
 
+
+@dataclass(frozen=True)
+class DispatcherConfig:
+    """A Dispatcher's options (their meaning: see Dispatcher), checked on construction. The group
+    size checks (expert_tp_size divides it) need the group and happen in the Dispatcher."""
+    granularity: str = "row"
+    fp8_combine: bool = False
+    fp8_dispatch_backward: bool = False
+    bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES
+    expert_tp_size: int = 1
+    capacity_factor: Optional[float] = None
+    always_communicate: bool = False
+
+    def __post_init__(self):
+        ops.granularity_code(self.granularity)
+        if int(self.bf16_below_bytes) < 0:
+            raise ValueError(f"fp8a2a: bf16_below_bytes must be >= 0, got {self.bf16_below_bytes}")
+        if self.expert_tp_size < 1:
+            raise ValueError(f"fp8a2a: expert_tp_size must be >= 1, got {self.expert_tp_size}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"fp8a2a: capacity_factor must be positive, got {self.capacity_factor}")
+
+    @property
+    def code(self) -> Granularity:
+        return Granularity(ops.granularity_code(self.granularity))
 
 
 def _group_info(group):
@@ -34,38 +60,63 @@ def _group_info(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-@dataclass
-class DispatchHandle:
-    """What combine and the backward passes need; opaque to callers."""
-    dispatcher: "Dispatcher"
-    topk_idx: torch.Tensor
-    topk_weights: torch.Tensor  # float32, detached (only its layout is reused)
-    send_pos: torch.Tensor  # [T, R] int32: send row of token t for rank r, or -1
-    slot_pos: torch.Tensor = None  # [Nr, K] int32: expert-major row of each received slot, or -1
-    recv_counts: torch.Tensor = None  # [R, ops.COUNTS_HEADER + local experts] int64 (device)
-    send_splits: List[int] = field(default_factory=list)
-    recv_splits: List[int] = field(default_factory=list)
-    num_rows: int = 0  # expert-major rows N
-    hidden: int = 0
-    dtype: torch.dtype = torch.bfloat16
-    wire: int = 0  # granularity code on the wire (ops.RAW when sent unquantized)
-    recv_counts_host: List[List[int]] = field(default_factory=list)  # recv_counts as read by the one sync
-    weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
-    tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
+@dataclass(frozen=True)
+class _Route:
+    """One dispatch's routing as the kernels take it: after the capacity drop and the expert-TP
+    replication (K' = K * expert_tp_size slots)."""
+    topk_idx: torch.Tensor  # [T, K'] contiguous
+    topk_weights: torch.Tensor  # [T, K'] float32, detached (only its layout is reused)
     rank_capacity: int = 0  # capacity mode: rows per destination rank segment (0: compact)
     expert_capacity: int = 0  # capacity mode: rows per (source rank, local expert)
     dropped: Optional[torch.Tensor] = None  # capacity mode: slots dropped on this rank (device)
+
+
+@dataclass(frozen=True)
+class DispatchHandle(_Route):
+    """What combine and the backward passes need, built once per dispatch after its counts exchange;
+    opaque to callers but for dropped, invalid_ids, num_rows and tokens_per_expert_list."""
+    dispatcher: "Dispatcher" = None
+    hidden: int = 0
+    dtype: torch.dtype = torch.bfloat16
+    wire: Granularity = Granularity.ROW  # what the rows were sent as (RAW: unquantized)
+    send_pos: torch.Tensor = None  # [T, R] int32: send row of token t for rank r, or -1
+    slot_pos: torch.Tensor = None  # [Nr, K'] int32: expert-major row of each received slot, or -1
+    recv_counts: torch.Tensor = None  # [R, CountsCol.EXPERTS + local experts] int64 (device)
+    # the counts exchange as read by the one host sync (compact mode; empty in capacity mode):
+    # what this rank sent to each rank, and what it received from each
+    send_counts_host: List[List[int]] = field(default_factory=list)
+    recv_counts_host: List[List[int]] = field(default_factory=list)
+    tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
     invalid_ids: Optional[torch.Tensor] = None  # capacity mode: out-of-range ids seen (device)
     tokens_received: Optional[torch.Tensor] = None  # capacity mode: real rows per local expert
+    weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
+
+    def _splits(self, host):
+        if self.expert_capacity:
+            return [self.rank_capacity] * self.dispatcher.world
+        return [row[CountsCol.ROWS] for row in host]
+
+    @functools.cached_property
+    def send_splits(self) -> List[int]:
+        return self._splits(self.send_counts_host)
+
+    @functools.cached_property
+    def recv_splits(self) -> List[int]:
+        return self._splits(self.recv_counts_host)
+
+    @functools.cached_property
+    def num_rows(self) -> int:
+        """Expert-major rows N."""
+        return sum(self.tokens_per_expert_list)
 
     @property
     def tokens_per_expert_list(self) -> List[int]:
         """Rows per local expert on the host (no extra sync); built on demand: a Python sum over
-        ranks x experts costs tens of microseconds at 256 experts."""
+        ranks x experts is not free at hundreds of experts."""
         if self.expert_capacity:  # capacity mode: every expert holds its padded rows
             d = self.dispatcher
             return [d.world * self.expert_capacity] * d.num_local_experts
-        return [sum(col) for col in zip(*(row[ops.COUNTS_HEADER:] for row in self.recv_counts_host))]
+        return [sum(col) for col in zip(*(row[CountsCol.EXPERTS:] for row in self.recv_counts_host))]
 
 
 @dataclass
@@ -100,28 +151,41 @@ class Dispatcher:
                             ep_rank * expert_tp_size + tp_rank, Megatron's order) and every TP
                             rank of an expert's EP rank receives its tokens (the FP8 all-gather)
                             and returns a partial output that combine sums (the reduce-scatter)
+    config:                 the options above as one DispatcherConfig, instead of as arguments
     """
 
     def __init__(self, num_experts: int, group=None, granularity: str = "row", *, fp8_combine: bool = False,
                  fp8_dispatch_backward: bool = False, bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES,
                  tensor_scale: Optional[torch.Tensor] = None, expert_tp_size: int = 1,
-                 capacity_factor: Optional[float] = None, always_communicate: bool = False):
+                 capacity_factor: Optional[float] = None, always_communicate: bool = False,
+                 config: Optional[DispatcherConfig] = None):
+        given = DispatcherConfig(granularity=granularity, fp8_combine=fp8_combine,
+                                 fp8_dispatch_backward=fp8_dispatch_backward, bf16_below_bytes=bf16_below_bytes,
+                                 expert_tp_size=expert_tp_size, capacity_factor=capacity_factor,
+                                 always_communicate=always_communicate)
+        if config is None:
+            config = given
+        elif given != DispatcherConfig():
+            raise TypeError("fp8a2a: pass the Dispatcher's options either as config= or as arguments, not both")
+        elif not isinstance(config, DispatcherConfig):
+            raise TypeError(f"fp8a2a: config must be a DispatcherConfig, got {type(config).__name__}")
+        self.config = config
         self.group = group
         self.rank, self.world = _group_info(group)
-        self.granularity = granularity
-        self.code = ops.granularity_code(granularity)
-        if expert_tp_size < 1 or self.world % expert_tp_size:
-            raise ValueError(f"fp8a2a: expert_tp_size={expert_tp_size} must divide the group size {self.world}")
-        self.tp = expert_tp_size
-        ep = self.world // expert_tp_size
+        self.granularity = config.granularity
+        self.code = config.code
+        if self.world % config.expert_tp_size:
+            raise ValueError(f"fp8a2a: expert_tp_size={config.expert_tp_size} must divide the group size {self.world}")
+        self.tp = config.expert_tp_size
+        ep = self.world // self.tp
         if num_experts < 1 or num_experts % ep:
             raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the expert-parallel "
                              f"size {ep}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
-        self.fp8_combine = fp8_combine
-        self.fp8_dispatch_backward = fp8_dispatch_backward
-        self.bf16_below_bytes = bf16_below_bytes
+        self.fp8_combine = config.fp8_combine
+        self.fp8_dispatch_backward = config.fp8_dispatch_backward
+        self.bf16_below_bytes = config.bf16_below_bytes
         # the caller's tensor itself is kept (in-place updates reach the next call); its value is
         # read once here, on the host (one sync per Dispatcher for a device scale): checked, and as
         # float32 bits for the agreement check (-1: no scale, -2: an invalid one)
@@ -134,11 +198,9 @@ class Dispatcher:
             except ValueError as e:
                 scale_error, scale_bits = e, -2
         self.tensor_scale = tensor_scale
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"fp8a2a: capacity_factor must be positive, got {capacity_factor}")
-        self.capacity_factor = capacity_factor
+        self.capacity_factor = config.capacity_factor
         self._validated_shapes = set()
-        self.local = self.world == 1 and not (always_communicate and dist.is_initialized())
+        self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
         if self.world > 1:
             self._check_agreement(scale_bits, scale_error)
         elif scale_error is not None:
@@ -193,28 +255,29 @@ class Dispatcher:
         x [T, H] float; topk_idx int [T, K] (-1 = not routed); topk_weights [T, K]."""
         try:  # a rank whose input is rejected here makes the others raise too, not wait for it
             self._check_inputs(x, topk_idx, topk_weights)
-            handle = DispatchHandle(self, topk_idx, topk_weights, send_pos=None, hidden=x.shape[1], dtype=x.dtype)
+            capacity = {}
             if self.capacity_factor is not None:
                 t, k = topk_idx.shape
                 c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
-                # at least one row per rank segment: T = 0 still gets a (padding-only) static layout
-                handle.expert_capacity, handle.rank_capacity = c, max(1, min(t, self.num_local_experts * c))
                 # per expert, the c slots of this rank with the largest router weight stay (one kernel)
-                topk_idx, handle.dropped = ops.capacity_drop(topk_idx.contiguous(),
-                                                             topk_weights.detach().float().contiguous(), self.num_experts, c)
+                topk_idx, dropped = ops.capacity_drop(topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
+                                                      self.num_experts, c)
+                # at least one row per rank segment: T = 0 still gets a (padding-only) static layout
+                capacity = dict(expert_capacity=c, rank_capacity=max(1, min(t, self.num_local_experts * c)),
+                                dropped=dropped)
             if self.tp > 1:
                 topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
-            handle.topk_idx = topk_idx.contiguous()
-            handle.topk_weights = topk_weights.detach().float().contiguous()
+            route = _Route(topk_idx.contiguous(), topk_weights.detach().float().contiguous(), **capacity)
         except Exception:
             self._fail_peers(reduced=False)
             raise
-        rows, weights, data, scale, tpe = _DispatchFn.apply(x, topk_weights, handle)
-        handle.weights = weights
-        if handle.wire == ops.RAW:
+        rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
+        # the handle callers get carries the weights; the one the backward keeps does not (a cycle)
+        handle = replace(layout, weights=weights)
+        if handle.wire == Granularity.RAW:
             tokens = rows
         else:
-            if self.code == ops.GRANULARITY["tensor"]:
+            if self.code == Granularity.TENSOR:
                 scale = handle.tensor_scale
             tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=rows if rows.requires_grad else None)
         return DispatchOutput(tokens, tpe, weights, handle)
@@ -247,7 +310,7 @@ class Dispatcher:
         if x.shape[1] == 0:
             raise ValueError("fp8a2a: x has hidden size 0")
         # checked whatever wire this call takes: a rank under the size threshold must fail like the others
-        if self.code == ops.GRANULARITY["block128"] and x.shape[1] % 128:
+        if self.code == Granularity.BLOCK128 and x.shape[1] % 128:
             raise ValueError(f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
 
     def _fail_peers(self, reduced: bool = True):
@@ -259,11 +322,11 @@ class Dispatcher:
             return
         try:
             device = self._device()
-            if self.code == ops.GRANULARITY["tensor"] and self.tensor_scale is None and not reduced:
+            if self.code == Granularity.TENSOR and self.tensor_scale is None and not reduced:
                 dist.all_reduce(torch.zeros((), device=device), op=dist.ReduceOp.MAX, group=self.group)
-            header = torch.zeros((self.world, ops.COUNTS_HEADER + self.num_local_experts), dtype=torch.int64,
+            header = torch.zeros((self.world, CountsCol.EXPERTS + self.num_local_experts), dtype=torch.int64,
                                  device=device)
-            header[:, ops.BAD_IDS] = -1  # a count of bad ids is >= 0: -1 marks a rejected input
+            header[:, CountsCol.BAD_IDS] = REJECTED
             self._exchange_counts(header)
         except Exception:  # e.g. the peers are gone: the input error is the one the caller must see
             pass
@@ -291,55 +354,53 @@ class Dispatcher:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         return scale_of_amax(amax)
 
-    def _pack(self, x, handle, wire, tensor_scale=None):
+    def _pack(self, x, route: _Route, wire, tensor_scale=None):
         xin = x.detach().contiguous()
-        if wire == ops.RAW:
+        if wire == Granularity.RAW:
             xin = xin.view(torch.uint8)
-        return ops.dispatch_pack(xin, handle.topk_idx, handle.topk_weights, self.num_experts * self.tp, self.world,
-                                 wire, tensor_scale, handle.rank_capacity)
+        return ops.dispatch_pack(xin, route.topk_idx, route.topk_weights, self.num_experts * self.tp, self.world,
+                                 wire, tensor_scale, route.rank_capacity)
 
     def _unpack(self, recv, handle, wire):
         """dispatch_unpack; a raw (unquantized) wire's rows come back viewed as [N, hidden] handle.dtype."""
-        raw = wire == ops.RAW
+        raw = wire == Granularity.RAW
         hidden = handle.hidden * handle.dtype.itemsize if raw else handle.hidden
         out = ops.dispatch_unpack(recv, handle.recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1],
                                   handle.num_rows, handle.rank_capacity, handle.expert_capacity)
         return (out[0].view(handle.dtype),) + tuple(out[1:]) if raw else out
 
-    def _forward(self, x, handle):
+    def _forward(self, x, route: _Route):
+        """(data, scales, weights, tokens per expert, the DispatchHandle of this call)."""
         elem = x.element_size()
-        capacity = handle.expert_capacity > 0
+        capacity = route.expert_capacity > 0
         # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
-        local = ops.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
-        scale = self._tensor_scale(x) if self.code == ops.GRANULARITY["tensor"] else None
-        handle.tensor_scale = scale
+        local = Granularity.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
+        scale = self._tensor_scale(x) if self.code == Granularity.TENSOR else None
         try:
-            send, counts, send_pos = self._pack(x, handle, local, scale)
+            send, counts, send_pos = self._pack(x, route, local, scale)
         except Exception:
             self._fail_peers()
             raise
         recv_counts = self._exchange_counts(counts)
+        layout = dict(dispatcher=self, hidden=x.shape[1], dtype=x.dtype, tensor_scale=scale, recv_counts=recv_counts,
+                      **{f.name: getattr(route, f.name) for f in fields(_Route)})
         if capacity:
-            return self._forward_static(x, handle, send, counts, send_pos, recv_counts)
+            return self._forward_static(x, route, layout, send, counts, send_pos)
         # The one host sync of a dispatch: what we send and what we receive, in one copy.
         host = (counts if self.local else torch.cat([counts, recv_counts])).cpu().tolist()
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
-            send, counts, send_pos = self._pack(x, handle, wire, scale)
-        handle.wire, handle.send_pos, handle.recv_counts = wire, send_pos, recv_counts
-        handle.send_splits = [row[ops.ROWS] for row in mine]
-        handle.recv_splits = [row[ops.ROWS] for row in theirs]
-        handle.recv_counts_host = theirs
-        handle.num_rows = sum(sum(row[ops.COUNTS_HEADER:]) for row in theirs)
+            send, counts, send_pos = self._pack(x, route, wire, scale)
+        handle = DispatchHandle(wire=wire, send_pos=send_pos, send_counts_host=mine, recv_counts_host=theirs, **layout)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire)
-        handle.slot_pos = slot_pos
-        return data, scale_rows, weights, tpe
+        return data, scale_rows, weights, tpe, replace(handle, slot_pos=slot_pos)
 
-    def _forward_static(self, x, handle, send, counts, send_pos, recv_counts):
+    def _forward_static(self, x, route, layout, send, counts, send_pos):
         """Capacity mode: fixed splits and a fixed expert-major layout, so nothing is read on the host."""
-        key = (tuple(x.shape), handle.topk_idx.shape[1], x.dtype)
+        recv_counts = layout["recv_counts"]
+        key = (tuple(x.shape), route.topk_idx.shape[1], x.dtype)
         if key not in self._validated_shapes:  # once per new shape: the checks the sync would do
             self._agree_on_wire(recv_counts.cpu().tolist(), x.shape[1], x.element_size())
             if self.world > 1:  # static splits need the same tokens per rank everywhere
@@ -348,53 +409,47 @@ class Dispatcher:
                     raise ValueError(f"fp8a2a: capacity mode needs the same number of tokens on every rank, got "
                                      f"{tokens}")
             self._validated_shapes.add(key)
-        handle.wire, handle.send_pos, handle.recv_counts = self.code, send_pos, recv_counts
-        handle.send_splits = handle.recv_splits = [handle.rank_capacity] * self.world
-        rows_per_expert = self.world * handle.expert_capacity
-        handle.num_rows = self.num_local_experts * rows_per_expert
-        handle.invalid_ids = counts[0, ops.BAD_IDS]
+        handle = DispatchHandle(wire=self.code, send_pos=send_pos, invalid_ids=counts[0, CountsCol.BAD_IDS], **layout)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, self.code)
-        handle.slot_pos, handle.tokens_received = slot_pos, tpe
-        padded = torch.full_like(tpe, rows_per_expert)
-        return data, scale_rows, weights, padded
+        padded = torch.full_like(tpe, self.world * route.expert_capacity)
+        return data, scale_rows, weights, padded, replace(handle, slot_pos=slot_pos, tokens_received=tpe)
 
     def _agree_on_wire(self, headers, hidden, elem):
         """Check every rank's header (rows of the counts exchange, as lists: all ranks see all
         headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
         (the size policy is local)."""
-        failed = [r for r, row in enumerate(headers) if row[ops.BAD_IDS] < 0]
+        failed = [r for r, row in enumerate(headers) if row[CountsCol.BAD_IDS] < 0]  # REJECTED
         if failed:
             raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
                                f"this rank raises too instead of waiting for them")
-        bad = [row[ops.BAD_IDS] for row in headers]
+        bad = [row[CountsCol.BAD_IDS] for row in headers]
         if any(bad):
             raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "
                              f"{[r for r, b in enumerate(bad) if b]} ({bad} ids)")
-        topks = [row[ops.TOPK] for row in headers]
+        topks = [row[CountsCol.TOPK] for row in headers]
         if len(set(topks)) != 1:
             raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
-        wires = [row[ops.WIRE] for row in headers]
-        sizes = [row[ops.HIDDEN] // elem if w == ops.RAW else row[ops.HIDDEN] for row, w in zip(headers, wires)]
+        wires = [row[CountsCol.WIRE] for row in headers]
+        sizes = [row[CountsCol.HIDDEN] // elem if w == Granularity.RAW else row[CountsCol.HIDDEN] for row, w in zip(headers, wires)]
         if any(s != hidden for s in sizes):
             raise ValueError(f"fp8a2a: ranks use different hidden sizes: {sizes} (this rank: {hidden})")
-        raw = [w == ops.RAW for w in wires]
-        return ops.RAW if all(raw) else self.code
+        raw = [w == Granularity.RAW for w in wires]
+        return Granularity.RAW if all(raw) else self.code
 
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, handle):
-        d = handle.dispatcher
-        data, scale, weights, tpe = d._forward(x, handle)
-        ctx.handle = copy.copy(handle)  # a copy: handle.weights (set later) would close a reference cycle
-        if handle.wire == ops.RAW:  # data: the rows themselves, [N, H] in x's dtype
+    def forward(ctx, x, topk_weights, dispatcher, route):
+        data, scale, weights, tpe, handle = dispatcher._forward(x, route)
+        ctx.handle = handle  # without the weights: they would close a reference cycle through ctx
+        if handle.wire == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
             placeholder = data.new_empty(0)
             ctx.mark_non_differentiable(placeholder, scale, tpe)
-            return data, weights, placeholder, scale, tpe
+            return data, weights, placeholder, scale, tpe, handle
         anchor = x.new_empty(()).expand(handle.num_rows, handle.hidden)  # gradient carrier of the FP8 rows: no memory, never read
         ctx.mark_non_differentiable(data, scale, tpe)
-        return anchor, weights, data, scale, tpe
+        return anchor, weights, data, scale, tpe, handle
 
     @staticmethod
     def backward(ctx, grad_rows, grad_weights, *_):
@@ -408,7 +463,7 @@ class _DispatchFn(torch.autograd.Function):
         buf = ops.combine_pack(grad_rows.to(h.dtype).contiguous(), h.slot_pos, None, extra, quant)
         back = d._exchange(buf, h.recv_splits, h.send_splits)
         gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, h.dtype, quant, h.topk_idx.shape[1] if want_w else 0)
-        return gx, (gw if want_w else None), None
+        return gx, (gw if want_w else None), None, None
 
 
 class _CombineFn(torch.autograd.Function):
@@ -430,11 +485,11 @@ class _CombineFn(torch.autograd.Function):
         expert_out, weights = ctx.saved_tensors
         # Combine backward moves dy to the experts: a dispatch over the cached layout (FP8 unless
         # the forward dispatch went unquantized), no counts exchange, no host sync.
-        wire = ops.RAW if h.wire == ops.RAW else ops.GRANULARITY["row"]
+        wire = Granularity.RAW if h.wire == Granularity.RAW else Granularity.ROW
         send, _, _ = d._pack(grad_y, h, wire)
         recv = d._exchange(send, h.send_splits, h.recv_splits)
         data, scale, _, _, _, _ = d._unpack(recv, h, wire)  # raw: data is dy's rows in h.dtype
-        raw = wire == ops.RAW
+        raw = wire == Granularity.RAW
         if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
             return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None
         w = weights.detach()

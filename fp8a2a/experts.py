@@ -1,4 +1,4 @@
-"""Expert GEMMs that consume FP8 rows: grouped_linear and FP8GroupedMLP (public API, see DESIGN.md).
+"""Expert GEMMs that consume FP8 rows: grouped_linear and FP8GroupedMLP (public API, see README.md).
 
 Layout. Rows are expert-major, as the dispatcher delivers them: expert e owns rows
 offs[e-1]:offs[e], offs = cumsum(tokens_per_expert). Weights are [E, out, in], one nn.Linear per
@@ -13,7 +13,7 @@ fc2 one kernel computes act(z) * router_weight and quantizes it per row for fc2.
 straight-through for every quantization: dX = dY @ W on the BF16 master weights (fp8_dgrad=True:
 dY quantized per row, W per input channel, FP8 GEMM), dW = dY^T @ x_hat in BF16 where x_hat is
 rebuilt from the saved FP8 rows and scales: no BF16 copy of any GEMM input is saved.
-fp8_wgrad=True (opt-in, lossy: relative error ~3e-2 against the BF16 dW for Gaussian data) computes
+fp8_wgrad=True (opt-in, lossy: BENCHMARKS.md has its error against the BF16 dW) computes
 dW from FP8 operands: dY and x_hat quantized per (expert, column), since the GEMM reduces over each
 expert's rows, scales by the package rule (amax / 448 over the expert's rows), one
 torch._scaled_grouped_mm (2d x 2d, groups padded to 16 rows) on the 'scaled_grouped_mm' backend; the
@@ -23,15 +23,13 @@ BF16 dW, with a warning.
 
 Backends (backend=..., 'auto' picks the first that fits):
 - 'scaled_grouped_mm': torch._scaled_grouped_mm (CUDA sm_90+, row scales) with fast accumulation
-  by default (fast_accum=True: 1243 against 1013 TFLOP/s at 7168 -> 4096 on an H200, relative error
-  0.0037 against 0.0031 vs a BF16 GEMM of the dequantized operands). Block128 input goes to the
-  Triton GEMM, which applies block scales as they are (BLOCK128_NATIVE; False converts it to row
-  scales, see _block_to_row). A shape the op refuses (e.g. K not a multiple of 16) goes to the
-  Triton GEMM (warned once). Up to FP8_TMA_MAX_ROWS_PER_EXPERT rows per expert on average (the
-  range measured) the fast-accumulation GEMM is triton_kernels.grouped_mm_fp8 instead: the same
-  arithmetic and the same bytes out, with a 128 x 256 x 128 tile fed by TMA; 1.11-1.49x the op's
-  speed from 128 to 4096 rows per expert at the DeepSeek-V3 expert shapes on an H200 (at 128 rows
-  the op's tile is 64 x 128 and it reads the weights at ~2.5 TB/s).
+  by default (fast_accum=True: faster, and a slightly larger error against a BF16 GEMM of the
+  dequantized operands). Block128 input goes to the Triton GEMM, which applies block scales as
+  they are (ExpertsConfig.block128_native; False converts it to row scales, see _block_to_row). A
+  shape the op refuses (e.g. K not a multiple of 16) goes to the Triton GEMM (warned once). Up to
+  ExpertsConfig.tma_max_rows_per_expert rows per expert on average the fast-accumulation GEMM is
+  triton_kernels.grouped_mm_fp8 instead: the same arithmetic and the same bytes out, with a
+  128 x 256 x 128 tile fed by TMA, where that is faster than the op's smaller tile.
 - 'triton': the FP8 GEMMs in fp8a2a.triton_kernels (grouped GEMM with a row- or block128-scale
   epilogue, fp32 promotion every 128 of K), for CUDA machines without a usable _scaled_grouped_mm.
 - 'reference': dequantize and loop over experts in fp32 (any device; the CPU path).
@@ -52,22 +50,37 @@ import torch.nn.functional as F
 
 from . import ops
 from .quant import QuantizedTensor, quantize, scale_rule
+from .wire import Granularity
 
 FP8 = torch.float8_e4m3fn
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
-# block128 input on the scaled_grouped_mm backend: True = the Triton GEMM applies the block scales
-# (exact, ~30% slower than the row-scaled op at 7168 -> 4096 on an H200); False = convert to row
-# scales (_block_to_row: one Triton pass and one more e4m3 rounding) and use torch._scaled_grouped_mm.
-BLOCK128_NATIVE = True
-# Average rows per expert up to which the scaled_grouped_mm backend's fast-accumulation GEMMs run
-# triton_kernels.grouped_mm_fp8: faster than torch._scaled_grouped_mm over all of 128-4096, the range
-# scripts/probe_gmm_triton.py measured (BENCHMARKS.md); above it, torch's op.
-FP8_TMA_MAX_ROWS_PER_EXPERT = 4096
-# True: the BF16 backward GEMMs of the GPU backends use the Triton kernels even where
-# torch._grouped_mm runs (tests; torch builds without a working _grouped_mm fall back by themselves).
-TRITON_BACKWARD = False
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """How the GPU backends run the expert GEMMs (which kernel, not what it computes).
+
+    block128_native:          block128 input on the scaled_grouped_mm backend: True = the Triton
+                              GEMM applies the block scales (exact, slower than the row-scaled op);
+                              False = convert to row scales (_block_to_row: one Triton pass and one
+                              more e4m3 rounding) and use torch._scaled_grouped_mm.
+    tma_max_rows_per_expert:  average rows per expert up to which the scaled_grouped_mm backend's
+                              fast-accumulation GEMMs run triton_kernels.grouped_mm_fp8 (faster than
+                              torch's op over the range scripts/probe_gmm_triton.py measured, see
+                              BENCHMARKS.md); above it, torch's op. 0: always torch's op.
+    triton_backward:          the BF16 backward GEMMs use the Triton kernels even where
+                              torch._grouped_mm runs (tests; torch builds without a working
+                              _grouped_mm fall back by themselves).
+    """
+    block128_native: bool = True
+    tma_max_rows_per_expert: int = 4096
+    triton_backward: bool = False
+
+    def __post_init__(self):
+        if int(self.tma_max_rows_per_expert) < 0:
+            raise ValueError(f"fp8a2a: tma_max_rows_per_expert must be >= 0, got {self.tma_max_rows_per_expert}")
 
 
 @functools.lru_cache(None)
@@ -115,6 +128,7 @@ class _Cfg:
     fast_accum: bool = True
     activation: str = "swiglu"
     fp8_wgrad: bool = False
+    tuning: ExpertsConfig = ExpertsConfig()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +142,7 @@ def _dequant(xq, xs, dtype=torch.float32):
 
 def _quant_rows(x):
     """(e4m3 [M, K], scale [M]) of a float [M, K] by the package rule: the extension's quantize kernel."""
-    return ops.quantize(x.contiguous(), ops.GRANULARITY["row"], None)
+    return ops.quantize(x.contiguous(), Granularity.ROW, None)
 
 
 # Fused optimizers (e.g. AdamW(fused=True)) update weights without bumping their version counter,
@@ -243,18 +257,19 @@ def _warn_refused(err, fallback="the Triton grouped GEMM"):
                   RuntimeWarning, stacklevel=3)
 
 
-def _mm_fp8(backend, xq, xs, wq, sw, offs, fast_accum=False):
+def _mm_fp8(cfg, xq, xs, wq, sw, offs):
     """bf16 [M, N] = xs * (xq @ wq[e]^T) * sw[e] per expert; xs [M] (any strides) or [M, K/128]."""
+    backend, fast_accum, tuning = cfg.backend, cfg.fast_accum, cfg.tuning
     M, N = xq.shape[0], wq.shape[1]
     if M == 0:
         return xq.new_zeros((0, N), dtype=torch.bfloat16)
-    if backend == "scaled_grouped_mm" and xs.dim() == 2 and BLOCK128_NATIVE and _tk() is not None:
+    if backend == "scaled_grouped_mm" and xs.dim() == 2 and tuning.block128_native and _tk() is not None:
         backend = "triton"
     if backend == "scaled_grouped_mm":
         key = (N, xq.shape[1], torch.cuda.get_device_capability(xq.device))
         if key not in _SGMM_REFUSED:
             a, sa = _block_to_row(xq, xs) if xs.dim() == 2 else (xq, xs.contiguous())
-            if fast_accum and M <= FP8_TMA_MAX_ROWS_PER_EXPERT * wq.shape[0] and _tk() is not None \
+            if fast_accum and M <= tuning.tma_max_rows_per_expert * wq.shape[0] and _tk() is not None \
                     and _tk().fp8_tma_ok(a, wq):
                 return _tk().grouped_mm_fp8(a, sa, wq, sw, offs)
             try:
@@ -279,11 +294,11 @@ def _dgrad(cfg, g, w, offs):
     if cfg.fp8_dgrad:
         wtq, swt = fp8_weight(w, transposed=True)
         gq, gs = _quant_rows(g)
-        return _mm_fp8(cfg.backend, gq, gs, wtq, swt, offs, cfg.fast_accum)
+        return _mm_fp8(cfg, gq, gs, wtq, swt, offs)
     if cfg.backend == "reference":
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
     wb = w.to(torch.bfloat16)
-    if hasattr(torch, "_grouped_mm") and not TRITON_BACKWARD:
+    if hasattr(torch, "_grouped_mm") and not cfg.tuning.triton_backward:
         try:
             return torch._grouped_mm(g, wb, offs=offs, out_dtype=torch.bfloat16)
         except torch.OutOfMemoryError:
@@ -369,9 +384,9 @@ def _wgrad(cfg, g, xq, xs, offs, weight):
         _warn_fp8_wgrad_unavailable(cfg.backend)
     if cfg.backend == "reference":
         return _ref_wgrad(g, _dequant(xq, xs), offs, E).to(weight.dtype)
-    if hasattr(torch, "_grouped_mm") and not TRITON_BACKWARD:
-        # a transient BF16 x_hat (one pass) + torch's grouped GEMM: 1.4 ms against 2.5 ms for the
-        # fused Triton wgrad at 16384 rows x 7168 -> 4096 on an H200
+    if hasattr(torch, "_grouped_mm") and not cfg.tuning.triton_backward:
+        # a transient BF16 x_hat (one pass) + torch's grouped GEMM: faster than the fused Triton
+        # wgrad (BENCHMARKS.md)
         x_hat = _dequant(xq, xs, torch.bfloat16)
         try:
             return torch._grouped_mm(g.t(), x_hat, offs=offs, out_dtype=torch.bfloat16).to(weight.dtype)
@@ -423,7 +438,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg):
         wq, sw = fp8_weight(weight)
-        y = _mm_fp8(cfg.backend, xq, _fold(xs, rw), wq, sw, offs, cfg.fast_accum)
+        y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
         ctx.save_for_backward(xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
         return y
@@ -436,7 +451,7 @@ class _GroupedLinear(torch.autograd.Function):
         dx = dw = drw = None
         if need_rw:  # d rw_i = dY_i . y_i before weighting: recompute that forward GEMM (no saved copy)
             wq, sw = fp8_weight(weight)
-            drw = (dy.float() * _mm_fp8(ctx.cfg.backend, xq, xs, wq, sw, offs, ctx.cfg.fast_accum)).sum(1).to(rw.dtype)
+            drw = (dy.float() * _mm_fp8(ctx.cfg, xq, xs, wq, sw, offs)).sum(1).to(rw.dtype)
         if need_x:
             gx = _dgrad(ctx.cfg, dy, weight, offs)  # dY @ W, before the router weights
             dx = (gx if rw is None else gx * rw.to(torch.float32)[:, None]).to(ctx.anchor_dtype)
@@ -450,9 +465,9 @@ class _GroupedMLP(torch.autograd.Function):
     def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, cfg):
         w1q, s1 = fp8_weight(w1)
         w2q, s2 = fp8_weight(w2)
-        z = _mm_fp8(cfg.backend, xq, xs, w1q, s1, offs, cfg.fast_accum)  # [M, 2F or F] bf16
+        z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
-        y = _mm_fp8(cfg.backend, hq, hs, w2q, s2, offs, cfg.fast_accum)
+        y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
         ctx.save_for_backward(xq, xs, z, hq, hs, w1, w2, rw, offs)
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
         return y
@@ -482,6 +497,14 @@ class _GroupedMLP(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------------------------
 # public API
+
+
+def _checked_config(config) -> ExpertsConfig:
+    if config is None:
+        return ExpertsConfig()
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"fp8a2a: config must be an ExpertsConfig, got {type(config).__name__}")
+    return config
 
 
 def _as_quantized(q) -> QuantizedTensor:
@@ -537,14 +560,14 @@ def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_w
 
 def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: Optional[torch.Tensor] = None,
                    *, backend: str = "auto", fp8_dgrad: bool = False, fp8_wgrad: bool = False,
-                   fast_accum: bool = True, check=None):
+                   fast_accum: bool = True, check=None, config: Optional[ExpertsConfig] = None):
     """y [N, out] bf16 = x_e @ weight[e]^T for the rows x_e of each local expert e.
 
     q: QuantizedTensor [N, in] (row, block128 or tensor scales), rows expert-major (a plain 2-D
     float tensor is quantized per row first). weight: [E, out, in] master weights (bf16), quantized
     per output channel and cached. tokens_per_expert: int [E], summing to N. router_weights: [N],
     multiplies each output row. Differentiable w.r.t. the input (through q.grad_anchor), weight and
-    router_weights. backend, fp8_dgrad, fp8_wgrad, fast_accum: as for FP8GroupedMLP.
+    router_weights. backend, fp8_dgrad, fp8_wgrad, fast_accum, config: as for FP8GroupedMLP.
     check: None = verify the counts when tokens_per_expert is on the CPU, an
     asynchronous device assert when it is on the GPU (no host sync); True = host-synced ValueError;
     False = no check."""
@@ -552,12 +575,13 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
         raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
     xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend, check,
                                         router_weights)
-    cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad)
+    cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad,
+               tuning=_checked_config(config))
     return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, cfg)
 
 
 class FP8GroupedMLP(torch.nn.Module):
-    """E local experts, each fc1 -> activation -> fc2, on expert-major FP8 rows (DESIGN.md).
+    """E local experts, each fc1 -> activation -> fc2, on expert-major FP8 rows (module docstring).
 
     fc1_weight [E, 2*ffn (swiglu: gate rows then up rows) or ffn, hidden], fc2_weight [E, hidden, ffn],
     master weights in `dtype` (bf16). forward(q, tokens_per_expert, router_weights=None) -> [N, hidden]
@@ -565,18 +589,19 @@ class FP8GroupedMLP(torch.nn.Module):
     backend: 'auto' | 'scaled_grouped_mm' | 'triton' | 'reference'; fp8_dgrad: FP8 input-gradient
     GEMMs (default BF16); fp8_wgrad: FP8 weight-gradient GEMMs, operands quantized per (expert,
     column) (default BF16; opt-in and lossy, 'scaled_grouped_mm' and 'reference' backends only, see
-    the module docstring); fast_accum: torch._scaled_grouped_mm's fast accumulation (default on)."""
+    the module docstring); fast_accum: torch._scaled_grouped_mm's fast accumulation (default on);
+    config: an ExpertsConfig, how the GPU backends pick their kernels (default ExpertsConfig())."""
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu", *,
                  backend: str = "auto", fp8_dgrad: bool = False, fp8_wgrad: bool = False, fast_accum: bool = True,
-                 device=None, dtype: torch.dtype = torch.bfloat16):
+                 device=None, dtype: torch.dtype = torch.bfloat16, config: Optional[ExpertsConfig] = None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"fp8a2a: activation must be one of {ACTIVATIONS}, got {activation!r}")
         _check_backend(backend)
         self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
         self.activation, self.backend, self.fp8_dgrad, self.fast_accum = activation, backend, fp8_dgrad, fast_accum
-        self.fp8_wgrad = fp8_wgrad
+        self.fp8_wgrad, self.config = fp8_wgrad, _checked_config(config)
         fc1_out = (2 if activation == "swiglu" else 1) * ffn_hidden
         self.fc1_weight = torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, hidden, device=device, dtype=dtype))
         self.fc2_weight = torch.nn.Parameter(torch.empty(num_local_experts, hidden, ffn_hidden, device=device, dtype=dtype))
@@ -590,7 +615,7 @@ class FP8GroupedMLP(torch.nn.Module):
     def forward(self, q, tokens_per_expert, router_weights: Optional[torch.Tensor] = None, *, check=None):
         xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
                                             self.backend, check, router_weights)
-        cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad)
+        cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)
         return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, cfg)
 
     def extra_repr(self):

@@ -3,6 +3,8 @@ so the ops trace under torch.compile and record into CUDA graphs. Shapes never d
 the caller passes every data-dependent size (e.g. the number of received expert rows)."""
 import torch
 
+from .wire import QUANTIZED, CountsCol, Granularity
+
 try:
     from . import _C  # noqa: F401  registers torch.ops.fp8a2a.*
 except ImportError as e:  # pragma: no cover - only without a build
@@ -10,20 +12,20 @@ except ImportError as e:  # pragma: no cover - only without a build
         "fp8a2a: the C++ extension fp8a2a._C is not built. Run `pip install --no-build-isolation -e .` "
         f"in the repository (after installing torch). Original error: {e}") from e
 
-GRANULARITY = {"row": 0, "block128": 1, "tensor": 2}
-RAW = 3  # unquantized bytes on the wire (BF16 fallback, BF16 gradients)
+# Name -> code of the quantized granularities and the counts-header columns, kept for callers of
+# the earlier module constants; fp8a2a.wire holds the enums they derive from.
+GRANULARITY = {g.label: int(g) for g in QUANTIZED}
+RAW = int(Granularity.RAW)
 BLOCK = 128
-# Columns of the counts exchange (csrc/fp8_common.h CountsCol; COUNTS_HEADER = kColExperts), then
-# one per local expert.
-HIDDEN, TOPK, BAD_IDS, WIRE, ROWS, COUNTS_HEADER = range(6)
+HIDDEN, TOPK, BAD_IDS, WIRE, ROWS, COUNTS_HEADER = (int(c) for c in CountsCol)
 FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
 
 
 def granularity_code(granularity: str) -> int:
-    if granularity not in GRANULARITY:
+    if not isinstance(granularity, str):
         raise ValueError(f"fp8a2a: granularity must be one of {sorted(GRANULARITY)}, got {granularity!r}")
-    return GRANULARITY[granularity]
+    return int(Granularity.parse(granularity))
 
 
 def dispatch_row_bytes(hidden: int, granularity: int, topk: int) -> int:
@@ -35,14 +37,15 @@ def combine_row_bytes(hidden: int, dtype: torch.dtype, quantized: bool, extra_k:
 
 
 def _scale_shape(rows, hidden, granularity):
-    return {0: (rows,), 1: (rows, hidden // BLOCK), 2: (), 3: (0,)}[granularity]
+    return {Granularity.ROW: (rows,), Granularity.BLOCK128: (rows, hidden // BLOCK), Granularity.TENSOR: (),
+            Granularity.RAW: (0,)}[granularity]
 
 
 @torch.library.register_fake("fp8a2a::quantize")
 def _(x, granularity, scale):
     # the real op's argument checks (csrc/ops.h), so that a traced call fails as an eager one does
-    torch._check(granularity in (0, 1, 2), lambda: "fp8a2a: quantize takes granularity row, block128 or tensor")
-    torch._check(granularity != 1 or x.shape[1] % BLOCK == 0,
+    torch._check(granularity in QUANTIZED, lambda: "fp8a2a: quantize takes granularity row, block128 or tensor")
+    torch._check(granularity != Granularity.BLOCK128 or x.shape[1] % BLOCK == 0,
                  lambda: f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
     return x.new_empty(x.shape, dtype=FP8), x.new_empty(_scale_shape(x.shape[0], x.shape[1], granularity),
                                                         dtype=torch.float32)
@@ -58,15 +61,15 @@ def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_sca
     t, k = topk_idx.shape
     rows = num_ranks * rank_capacity if rank_capacity else t * min(k, num_ranks)
     return (x.new_empty((rows, dispatch_row_bytes(x.shape[1], granularity, k)), dtype=torch.uint8),
-            x.new_empty((num_ranks, COUNTS_HEADER + num_experts // num_ranks), dtype=torch.int64),
+            x.new_empty((num_ranks, CountsCol.EXPERTS + num_experts // num_ranks), dtype=torch.int64),
             x.new_empty((t, num_ranks), dtype=torch.int32))
 
 
 @torch.library.register_fake("fp8a2a::dispatch_unpack")
 def _(recv, recv_counts, hidden, granularity, topk, num_rows, rank_capacity=0, expert_capacity=0):
-    n, local = num_rows, recv_counts.shape[1] - COUNTS_HEADER
-    scale_shape = (n,) if granularity == 2 else _scale_shape(n, hidden, granularity)
-    return (recv.new_empty((n, hidden), dtype=torch.uint8 if granularity == RAW else FP8), recv.new_empty(scale_shape, dtype=torch.float32),
+    n, local = num_rows, recv_counts.shape[1] - CountsCol.EXPERTS
+    scale_shape = (n,) if granularity == Granularity.TENSOR else _scale_shape(n, hidden, granularity)
+    return (recv.new_empty((n, hidden), dtype=torch.uint8 if granularity == Granularity.RAW else FP8), recv.new_empty(scale_shape, dtype=torch.float32),
             recv.new_empty((n,), dtype=torch.float32), recv.new_empty((local,), dtype=torch.int64),
             recv.new_empty((recv.shape[0], topk), dtype=torch.int32), recv.new_empty((n,), dtype=torch.int32))
 

@@ -1,4 +1,4 @@
-"""QuantizedTensor and the quantize / dequantize entry points (public API, see DESIGN.md).
+"""QuantizedTensor and the quantize / dequantize entry points (public API, see README.md).
 
 Scale rule (csrc/fp8_common.h): per row or 128-block, amax = max |x|; data = e4m3(x * (448 / amax)),
 scale = amax / 448, so x ~= data.float() * scale. An all-zero row gets scale 1; a nonzero amax below
@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import ops
+from .wire import Granularity
 
 
 @dataclass(eq=False)  # compared by identity, like tensors (field-wise == of tensors is ambiguous)
@@ -91,7 +92,7 @@ def quantize(x: torch.Tensor, granularity: str = "row", scale: Optional[torch.Te
         raise TypeError(f"fp8a2a: quantize expects a float tensor, got {type(x).__name__}")
     code = ops.granularity_code(granularity)
     if scale is not None:
-        if code != ops.GRANULARITY["tensor"]:
+        if code != Granularity.TENSOR:
             raise ValueError("fp8a2a: a given scale is only meaningful for granularity='tensor'")
         scale = checked_tensor_scale(scale).to(device=x.device)
     data, s = ops.quantize(x.detach(), code, scale)

@@ -135,7 +135,7 @@ def grouped_mm(a, b, offs, sa=None, sb=None, b_strides=None, n=None):
 
 
 # BM, BN, BK, warps, stages of grouped_mm_fp8: the fastest of scripts/probe_gmm_triton.py's tiles at
-# 128-256 rows per expert on an H200 (BENCHMARKS.md)
+# 128-256 rows per expert (BENCHMARKS.md)
 FP8_TILE = (128, 256, 128, 8, 4)
 
 

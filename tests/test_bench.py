@@ -6,11 +6,14 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from fp8a2a import bench, bench_model, ops
+from fp8a2a import ops
+from fp8a2a.bench import baseline, model as bench_model, report, sweep
 from fp8a2a.dispatcher import DEFAULT_BF16_BELOW_BYTES
 
 from .distributed import run_ranks
@@ -25,63 +28,70 @@ def _script(name):
     return mod
 
 
+def _bench_command(*argv):
+    """`python -m fp8a2a.bench ARGV` as a user runs it, from this checkout (the tests import no CLI)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "fp8a2a.bench", *map(str, argv)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
 # ---- statistics and bandwidth ---------------------------------------------------------------
 
 def test_percentiles_interpolate_like_numpy():
     vals = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert bench.percentile(vals, 50) == 3.0
-    assert bench.percentile(vals, 0) == 1.0 and bench.percentile(vals, 100) == 5.0
-    assert bench.percentile(vals, 10) == pytest.approx(1.4)  # numpy.percentile([1..5], 10)
-    assert bench.percentile(vals, 90) == pytest.approx(4.6)
-    assert bench.percentile([7.0], 90) == 7.0
-    assert math.isnan(bench.percentile([], 50))
-    s = bench.summarize([1, 2, 3, 4, 10])
+    assert report.percentile(vals, 50) == 3.0
+    assert report.percentile(vals, 0) == 1.0 and report.percentile(vals, 100) == 5.0
+    assert report.percentile(vals, 10) == pytest.approx(1.4)  # numpy.percentile([1..5], 10)
+    assert report.percentile(vals, 90) == pytest.approx(4.6)
+    assert report.percentile([7.0], 90) == 7.0
+    assert math.isnan(report.percentile([], 50))
+    s = report.summarize([1, 2, 3, 4, 10])
     assert (s["median"], s["min"], s["max"], s["n"]) == (3, 1, 10, 5)
     assert s["mean"] == 4 and s["p10"] == pytest.approx(1.4) and s["p90"] == pytest.approx(7.6)
 
 
 def test_nccl_tests_bandwidth_definitions():
-    alg = bench.algbw_gbps(8e9, 0.5)  # 8 GB sent by a rank in 0.5 s
+    alg = report.algbw_gbps(8e9, 0.5)  # 8 GB sent by a rank in 0.5 s
     assert alg == pytest.approx(16.0)
-    assert bench.busbw_gbps(alg, 8) == pytest.approx(14.0)  # * (n - 1) / n
-    assert bench.busbw_gbps(alg, 1) == 0.0
+    assert report.busbw_gbps(alg, 8) == pytest.approx(14.0)  # * (n - 1) / n
+    assert report.busbw_gbps(alg, 1) == 0.0
 
 
 # ---- crossover and the threshold it recommends ------------------------------------------------
 
 def test_crossover_interpolates_in_log_size():
-    c = bench.find_crossover([1024, 4096, 16384], [0.5, 0.8, 1.2])
+    c = report.find_crossover([1024, 4096, 16384], [0.5, 0.8, 1.2])
     assert c["status"] == "crosses" and (c["last_loss_bytes"], c["first_win_bytes"]) == (4096, 16384)
     # speedup 1.0 is halfway between 0.8 and 1.2: halfway between 4096 and 16384 in log size
     assert c["crossover_bytes"] == pytest.approx(8192)
 
 
 def test_crossover_needs_every_larger_size_to_win():
-    c = bench.find_crossover([1, 2, 4, 8, 16], [1.5, 0.9, 1.1, 0.95, 1.3])  # noisy dips
+    c = report.find_crossover([1, 2, 4, 8, 16], [1.5, 0.9, 1.1, 0.95, 1.3])  # noisy dips
     assert c["status"] == "crosses" and c["last_loss_bytes"] == 8 and c["first_win_bytes"] == 16
-    unsorted = bench.find_crossover([16, 1, 8, 4, 2], [1.3, 1.5, 0.95, 1.1, 0.9])
+    unsorted = report.find_crossover([16, 1, 8, 4, 2], [1.3, 1.5, 0.95, 1.1, 0.9])
     assert unsorted == c
 
 
 def test_crossover_edge_cases():
-    assert bench.find_crossover([1, 2], [1.1, 2.0]) == {
+    assert report.find_crossover([1, 2], [1.1, 2.0]) == {
         "status": "fp8_always_wins", "crossover_bytes": 1.0, "last_loss_bytes": None, "first_win_bytes": 1.0}
-    never = bench.find_crossover([1, 2], [0.5, 0.9])
+    never = report.find_crossover([1, 2], [0.5, 0.9])
     assert never["status"] == "bf16_always_wins" and never["crossover_bytes"] is None and never["last_loss_bytes"] == 2
-    assert bench.find_crossover([1, 2], [None, float("nan")])["status"] == "no_data"
-    assert bench.find_crossover([1, 2, 4], [0.9, None, 1.1])["status"] == "crosses"
+    assert report.find_crossover([1, 2], [None, float("nan")])["status"] == "no_data"
+    assert report.find_crossover([1, 2, 4], [0.9, None, 1.1])["status"] == "crosses"
 
 
 def test_threshold_recommendation():
-    cx = {"a": bench.find_crossover([1024, 4096], [0.9, 1.3]), "b": bench.find_crossover([1024, 4096], [0.5, 1.5]),
-          "c": bench.find_crossover([1024, 4096], [1.2, 1.3])}
+    cx = {"a": report.find_crossover([1024, 4096], [0.9, 1.3]), "b": report.find_crossover([1024, 4096], [0.5, 1.5]),
+          "c": report.find_crossover([1024, 4096], [1.2, 1.3])}
     assert cx["a"]["crossover_bytes"] == pytest.approx(1024 * 4 ** 0.25)  # 1448
-    r = bench.recommend_threshold(cx)
+    r = report.recommend_threshold(cx)
     assert r["recommended_bytes"] == 2048  # the largest crossover (a), rounded up to a power of two
     assert "a" in r["text"] and r["default_bytes"] == DEFAULT_BF16_BELOW_BYTES
-    always = bench.recommend_threshold({"c": cx["c"]})
+    always = report.recommend_threshold({"c": cx["c"]})
     assert always["recommended_bytes"] == min(DEFAULT_BF16_BELOW_BYTES, 1024)
-    none = bench.recommend_threshold({"x": bench.find_crossover([1, 2], [0.1, 0.2])})
+    none = report.recommend_threshold({"x": report.find_crossover([1, 2], [0.1, 0.2])})
     assert none["recommended_bytes"] is None and "never" in none["text"]
     # every outcome names the knob, so the sweep's summary line does whatever the timings were
     assert all("bf16_below_bytes" in rec["text"] for rec in (r, always, none))
@@ -95,9 +105,9 @@ def _baseline_scenario(rank, world):
     for r in range(world):
         g = torch.Generator().manual_seed(r)
         xs.append(torch.randn(T, H, generator=g).to(torch.bfloat16))
-        idx, w, rmap, p = bench.make_routing(T, E, K, "cpu", seed=10 + r)
+        idx, w, rmap, p = baseline.make_routing(T, E, K, "cpu", seed=10 + r)
         maps.append(rmap), probs.append(p)
-    m = bench.MegatronStyleAlltoAll(E)
+    m = baseline.MegatronStyleAlltoAll(E)
     rows, tpe, p = m.dispatch(xs[rank], maps[rank], probs[rank])
     # expected: for each local expert, rows from every source rank in order, tokens in order
     L = E // world
@@ -135,9 +145,9 @@ def test_megatron_style_baseline(world):
 def test_megatron_style_baseline_is_differentiable():
     T, H, E, K = 10, 16, 4, 2
     x = torch.randn(T, H, requires_grad=True)
-    _, _, rmap, probs = bench.make_routing(T, E, K, "cpu", seed=3)
+    _, _, rmap, probs = baseline.make_routing(T, E, K, "cpu", seed=3)
     probs.requires_grad_()
-    m = bench.MegatronStyleAlltoAll(E)
+    m = baseline.MegatronStyleAlltoAll(E)
     rows, _, p = m.dispatch(x, rmap, probs)
     (m.combine(rows * p.unsqueeze(1)).sum()).backward()
     assert torch.allclose(x.grad, probs.detach().sum(1, keepdim=True).expand(T, H))
@@ -146,14 +156,14 @@ def test_megatron_style_baseline_is_differentiable():
 
 # ---- a tiny sweep on 2 gloo ranks: tables, JSON, CSV, PNG, exact wire bytes ----------------
 
-def test_tiny_sweep_writes_json_csv_png(tmp_path, capfd):
+def test_tiny_sweep_writes_json_csv_png(tmp_path):
     out = tmp_path / "a2a.json"
     tokens, H, E, K, world = [16, 48], 256, 8, 2, 2
-    rc = bench.main(["--world", str(world), "--tokens", ",".join(map(str, tokens)), "--hidden", str(H),
-                     "--experts", str(E), "--topk", str(K), "--granularity", "row,block128", "--iters", "2",
-                     "--warmup", "0", "--json", str(out), "--quiet"])
-    assert rc == 0
-    text = capfd.readouterr().out
+    run = _bench_command("--world", world, "--tokens", ",".join(map(str, tokens)), "--hidden", H, "--experts", E,
+                         "--topk", K, "--granularity", "row,block128", "--iters", "2", "--warmup", "0", "--json", out,
+                         "--quiet")
+    assert run.returncode == 0, run.stderr
+    text = run.stdout
     assert "FUNCTIONAL NUMBERS ONLY" in text and "bf16_below_bytes" in text and "summary" in text
 
     doc = json.loads(out.read_text())
@@ -162,7 +172,7 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path, capfd):
     assert [(r["series"], r["tokens"]) for r in recs] == [
         (f"H{H}-E{E}-K{K}-{g}", t) for g in ("row", "block128") for t in tokens]
     for r in recs:
-        for v in bench.VARIANTS:
+        for v in report.VARIANTS:
             assert r[f"{v}_dispatch_ms"] > 0 and r[f"{v}_total_ms"] >= r[f"{v}_dispatch_ms"]
             assert r[f"{v}_dispatch_ms_p10"] <= r[f"{v}_dispatch_ms"] <= r[f"{v}_dispatch_ms_p90"]
             assert r[f"{v}_busbw_GBps"] == pytest.approx(r[f"{v}_algbw_GBps"] * (world - 1) / world)
@@ -174,7 +184,7 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path, capfd):
         code = ops.GRANULARITY[r["granularity"]]
         rows = []
         for rank in range(world):
-            idx = bench.make_routing(T, E, K, "cpu", bench.point_seed(0, rank, T) + 1)[0]
+            idx = baseline.make_routing(T, E, K, "cpu", sweep.point_seed(0, rank, T) + 1)[0]
             dest = torch.zeros(T, world, dtype=torch.bool).scatter_(1, idx // (E // world), True)
             rows.append(int(dest.sum()))
         counts = world * (ops.COUNTS_HEADER + E // world) * 8
@@ -189,7 +199,7 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path, capfd):
 
     with open(tmp_path / "a2a.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == bench.CSV_COLUMNS and len(rows) == len(recs)
+    assert list(rows[0]) == report.CSV_COLUMNS and len(rows) == len(recs)
     assert float(rows[0]["megatron_bf16_wire_bytes"]) == recs[0]["megatron_bf16_wire_bytes"]
 
     png = tmp_path / "a2a.png"
@@ -200,12 +210,11 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path, capfd):
 
 
 def test_series_skip_when_experts_do_not_split(tmp_path):
-    args = bench.parse_args(["--hidden", "128", "--experts", "6,8", "--topk", "2", "--tokens", "8"])
-    assert [s.name for s in bench.build_series(args, cuda=False)] == ["H128-E6-K2-row", "H128-E8-K2-row"]
-    assert [s.name for s in bench.build_series(bench.parse_args([]), cuda=True)] == [s.name for s in bench.GPU_SERIES]
-    recs, meta = bench.spawn_gloo(4, bench._sweep_entry, bench.parse_args(
-        ["--hidden", "128", "--experts", "6,8", "--topk", "2", "--tokens", "8", "--iters", "1", "--warmup", "0",
-         "--quiet", "--no-plot"]))[0]
+    args = sweep.SweepArgs(hidden=[128], experts=[6, 8], topk=[2], tokens=[8])
+    assert [s.name for s in sweep.build_series(args, cuda=False)] == ["H128-E6-K2-row", "H128-E8-K2-row"]
+    assert [s.name for s in sweep.build_series(sweep.SweepArgs(), cuda=True)] == [s.name for s in sweep.GPU_SERIES]
+    recs, meta = run_ranks(4, sweep.run_sweep, sweep.SweepArgs(hidden=[128], experts=[6, 8], topk=[2], tokens=[8],
+                                                                iters=1, warmup=0, quiet=True))[0]
     assert meta["skipped_series"] == ["H128-E6-K2-row"] and {r["series"] for r in recs} == {"H128-E8-K2-row"}
 
 
@@ -232,16 +241,18 @@ def test_model_projection():
     assert last["a2a_share_bf16_layer"] > first["a2a_share_bf16_layer"]
 
 
-def test_model_command_prints_assumptions_table_and_answer(tmp_path, capsys):
+def test_model_command_prints_assumptions_table_and_answer(tmp_path):
     out = tmp_path / "model.json"
-    assert bench.main(["--model", "--no-measure", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+    run = _bench_command("--model", "--no-measure", "--json", out)
+    assert run.returncode == 0, run.stderr
+    text = run.stdout
     assert "assumptions:" in text and "NVLink 450 GB/s" in text and "network 50 GB/s" in text
     assert "answer:" in text and "1024" in text
     doc = json.loads(out.read_text())
     assert [r["ep"] for r in doc["rows"]] == list(bench_model.EP_SIZES) and "params" in doc
-    assert bench.main(["--model", "--no-measure", "--ep", "8,64", "--net-gbps", "25"]) == 0
-    assert "network 25 GB/s" in capsys.readouterr().out
+    run = _bench_command("--model", "--no-measure", "--ep", "8,64", "--net-gbps", "25")
+    assert run.returncode == 0, run.stderr
+    assert "network 25 GB/s" in run.stdout
 
 
 def test_model_takes_kernel_figures_from_bench_kernels_json(tmp_path):

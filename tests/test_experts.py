@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fp8a2a
 from fp8a2a import experts
-from fp8a2a.experts import FP8GroupedMLP, _block_to_row, fp8_weight, grouped_linear, resolve_backend, stack_weights
+from fp8a2a.experts import ExpertsConfig, FP8GroupedMLP, _block_to_row, fp8_weight, grouped_linear, resolve_backend, stack_weights
 from fp8a2a.quant import QuantizedTensor
 from fp8a2a.reference import dequantize_reference, quantize_reference
 
@@ -387,10 +387,10 @@ TOL = {"triton": 1e-2, "scaled_grouped_mm": 2.5e-2}
 
 
 def _run_mlp(backend, hidden, ffn, act="swiglu", granularity="row", fp8_dgrad=False, rw=True, seed=0,
-             fast_accum=True, fp8_wgrad=False):
+             fast_accum=True, fp8_wgrad=False, config=None):
     torch.manual_seed(seed)
     mlp = FP8GroupedMLP(len(GPU_TPE), hidden, ffn, act, backend=backend, fp8_dgrad=fp8_dgrad, device="cuda",
-                        fast_accum=fast_accum, fp8_wgrad=fp8_wgrad)
+                        fast_accum=fast_accum, fp8_wgrad=fp8_wgrad, config=config)
     x, r = inputs(GPU_TPE, hidden, "cuda", seed)
     r = r if rw else None
     y = mlp(make_q(x, granularity), torch.tensor(GPU_TPE, device="cuda"), r)
@@ -401,18 +401,18 @@ def _run_mlp(backend, hidden, ffn, act="swiglu", granularity="row", fp8_dgrad=Fa
 @gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
-def test_gpu_mlp_vs_reference(backend, shape, monkeypatch):
+def test_gpu_mlp_vs_reference(backend, shape):
     hidden, ffn = SHAPES[shape]
     ref = _run_mlp("reference", hidden, ffn)
     check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
     if backend == "scaled_grouped_mm" and shape == "deepseek":
         check(MLP_NAMES, _run_mlp(backend, hidden, ffn, fast_accum=False), ref, 1e-2)
         # torch._scaled_grouped_mm for the fast-accumulation GEMMs too (the TMA kernel otherwise)
-        monkeypatch.setattr(experts, "FP8_TMA_MAX_ROWS_PER_EXPERT", 0)
-        check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
+        check(MLP_NAMES, _run_mlp(backend, hidden, ffn, config=ExpertsConfig(tma_max_rows_per_expert=0)), ref,
+              TOL[backend])
     if backend == "triton":  # the Triton dgrad / wgrad kernels too (torch._grouped_mm otherwise)
-        monkeypatch.setattr(experts, "TRITON_BACKWARD", True)
-        check(MLP_NAMES, _run_mlp(backend, hidden, ffn), ref, TOL[backend])
+        check(MLP_NAMES, _run_mlp(backend, hidden, ffn, config=ExpertsConfig(triton_backward=True)), ref,
+              TOL[backend])
 
 
 @gpu
@@ -495,10 +495,10 @@ def test_gpu_fp8_wgrad_mlp():
 @gpu
 @pytest.mark.parametrize("granularity", ["block128", "block128-convert", "tensor"])
 @pytest.mark.parametrize("backend", ["scaled_grouped_mm", "triton"])
-def test_gpu_grouped_linear_granularities(backend, granularity, monkeypatch):
+def test_gpu_grouped_linear_granularities(backend, granularity):
     convert = granularity == "block128-convert"
     granularity = granularity.split("-")[0]
-    monkeypatch.setattr(experts, "BLOCK128_NATIVE", not convert)
+    config = ExpertsConfig(block128_native=not convert)
     tpe = torch.tensor(GPU_TPE, device="cuda")
     torch.manual_seed(9)
     w = (torch.randn(len(GPU_TPE), 768, 2048, device="cuda") * 0.02).bfloat16().requires_grad_()
@@ -506,7 +506,7 @@ def test_gpu_grouped_linear_granularities(backend, granularity, monkeypatch):
     for be in ("reference", backend):
         x, rw = inputs(GPU_TPE, 2048, "cuda", 10)
         q = make_q(x, granularity)
-        y = grouped_linear(q, w, tpe, rw, backend=be)
+        y = grouped_linear(q, w, tpe, rw, backend=be, config=config)
         y.backward(torch.ones_like(y))
         outs[be] = [y.detach(), x.grad, w.grad.clone(), rw.grad]
         w.grad = None

@@ -152,11 +152,9 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             if got != want or mcore_utils.get_pg_size(self.tp_ep_group) != tp * self.ep_size:
                 raise ValueError(f"fp8a2a: unexpected TP x EP group layout (rank {got}, expected ep_rank * tp_size "
                                  f"+ tp_rank = {want})")
-        self.dispatcher = Dispatcher(self.num_experts, group=group, granularity=self.options.granularity,
-                                     fp8_combine=self.options.fp8_combine,
-                                     fp8_dispatch_backward=self.options.fp8_dispatch_backward,
-                                     bf16_below_bytes=int(self.options.bf16_below_bytes), expert_tp_size=tp,
-                                     capacity_factor=self.capacity_factor)
+        config = self.options.dispatcher_config(bf16_below_bytes=int(self.options.bf16_below_bytes),
+                                                expert_tp_size=tp, capacity_factor=self.capacity_factor)
+        self.dispatcher = Dispatcher(self.num_experts, group=group, config=config)
         self.deliver_fp8 = False
         self.shared_experts = None
 

@@ -6,16 +6,19 @@ Each option is looked up, first match wins:
   2. the same attribute on megatron.training's global args, when that module is in use and the
      flag was given (--fp8a2a-granularity ...; the parser defaults are None = not given),
   3. the defaults given to fp8a2a.megatron.register(...),
-  4. the built-in defaults below.
+  4. the built-in defaults (DispatcherConfig's, and capacity_mode "auto").
+The options are the names in NAMES: DispatcherConfig's wire options and capacity_mode. The
+dispatcher's other fields (expert_tp_size, capacity_factor) come from the TransformerConfig's
+own settings (Options.dispatcher_config).
 """
 import sys
 from dataclasses import dataclass, fields, replace
 
-from .. import ops
-from ..dispatcher import DEFAULT_BF16_BELOW_BYTES
+from ..wire import QUANTIZED
+from ..dispatcher import DispatcherConfig
 
 FP8_ALLTOALL = "fp8_alltoall"
-GRANULARITIES = tuple(ops.GRANULARITY)
+GRANULARITIES = tuple(g.label for g in QUANTIZED)
 # How Megatron's capacity settings (moe_expert_capacity_factor, moe_pad_expert_input_to_capacity)
 # map onto fp8a2a.Dispatcher (see dispatcher.py):
 #   auto:     drop-and-pad -> the Dispatcher's capacity mode (static shapes, no host sync);
@@ -27,24 +30,25 @@ CAPACITY_MODES = ("auto", "static", "variable")
 
 
 @dataclass(frozen=True)
-class Options:
-    granularity: str = "row"
+class Options(DispatcherConfig):
+    """A DispatcherConfig with the Megatron-only capacity_mode; validated on construction."""
     capacity_mode: str = "auto"
-    fp8_combine: bool = False
-    fp8_dispatch_backward: bool = False
-    bf16_below_bytes: int = DEFAULT_BF16_BELOW_BYTES
 
-    def validate(self) -> "Options":
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"fp8a2a: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+    def __post_init__(self):
+        super().__post_init__()
         if self.capacity_mode not in CAPACITY_MODES:
             raise ValueError(f"fp8a2a: capacity mode must be one of {CAPACITY_MODES}, got {self.capacity_mode!r}")
-        if int(self.bf16_below_bytes) < 0:
-            raise ValueError(f"fp8a2a: bf16_below_bytes must be >= 0, got {self.bf16_below_bytes}")
-        return self
+
+    def validate(self) -> "Options":
+        return self  # checked on construction; kept for callers
+
+    def dispatcher_config(self, **derived) -> DispatcherConfig:
+        """The DispatcherConfig of these options, with `derived` (fields Megatron's config decides)."""
+        return DispatcherConfig(**{**{f.name: getattr(self, f.name) for f in fields(DispatcherConfig)}, **derived})
 
 
-NAMES = tuple(f.name for f in fields(Options))
+# What a run sets (config.fp8a2a_<name>, --fp8a2a-<name>, register(<name>=...)).
+NAMES = ("granularity", "capacity_mode", "fp8_combine", "fp8_dispatch_backward", "bf16_below_bytes")
 _registered = Options()
 
 
@@ -54,7 +58,7 @@ def set_defaults(**kwargs) -> Options:
     unknown = set(kwargs) - set(NAMES)
     if unknown:
         raise TypeError(f"fp8a2a: unknown option(s) {sorted(unknown)}; known: {list(NAMES)}")
-    _registered = replace(_registered, **kwargs).validate()
+    _registered = replace(_registered, **kwargs)
     return _registered
 
 
@@ -78,4 +82,4 @@ def resolve(config=None) -> Options:
             if value is not None:
                 values[name] = value
                 break
-    return replace(_registered, **values).validate()
+    return replace(_registered, **values)

@@ -13,7 +13,7 @@ at 1000+ GPUs, and what fp8a2a gets back. Per rank and per all-to-all direction:
   kernels   launch/host overhead + the bytes the local kernels read and write / their bandwidth
             (Megatron: permute, sort_chunks, unpermute; fp8a2a: pack, unpack; hand FP8: Megatron's
             kernels on FP8 rows plus eager quantize and dequantize), measured here on a GPU
-            (world size 1, two sizes, a line fit), else the H200 figures of DESIGN.md.
+            (world size 1, two sizes, a line fit), else the built-in H200 defaults.
   layer     MoE layer forward + backward = expert GEMMs (BF16 or FP8 rates) + 4 all-to-alls
             (dispatch, combine, and their backwards), not overlapped.
 Every assumption is printed with the table.
@@ -26,18 +26,22 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .timing import cuda_median_ms
+from ..dispatcher import Dispatcher
+from ..timing import cuda_median_ms
+from ..wire import Granularity
+from .baseline import MegatronStyleAlltoAll, make_routing
 
 EP_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def _ints(s):
+def ints(s):
+    """'1,2,3' -> [1, 2, 3] (comma-separated command-line lists)."""
     return [int(v) for v in s.split(",") if v]
 
 
 def add_arguments(p):
     g = p.add_argument_group("scale model (--model)")
-    g.add_argument("--ep", type=_ints, default=list(EP_SIZES), help="EP sizes (default 8..1024)")
+    g.add_argument("--ep", type=ints, default=list(EP_SIZES), help="EP sizes (default 8..1024)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--nvlink-gbps", type=float, default=450.0, help="NVLink GB/s per GPU per direction")
     g.add_argument("--net-gbps", type=float, default=50.0, help="network (IB) GB/s per GPU per direction")
@@ -48,7 +52,21 @@ def add_arguments(p):
     g.add_argument("--model-topk", type=int, default=8)
     g.add_argument("--kernels-json", help="scripts/bench_kernels.py --json output: take the copy and "
                                           "dispatch_pack bandwidths from it")
-    g.add_argument("--no-measure", action="store_true", help="measure nothing: DESIGN.md's H200 figures")
+    g.add_argument("--no-measure", action="store_true", help="measure nothing: the built-in H200 defaults")
+
+# The built-in H200 defaults: what the model assumes where nothing is measured (--no-measure, no
+# GPU); BENCHMARKS.md has the measurements behind them. Kernel bandwidths are shares of a device
+# copy's; overheads are host + launch time per direction (Megatron's: half of one dispatch + combine
+# at the smallest size).
+H200_COPY_TBPS = 4.25
+H200_MEGATRON_COPY_SHARE = 0.75
+H200_FP8A2A_COPY_SHARE = 0.9
+H200_EAGER_QUANT_TBPS = 0.35
+H200_MEGATRON_OVERHEAD_US = 830.0
+H200_FP8A2A_OVERHEAD_US = 100.0
+H200_HAND_FP8_EXTRA_US = 150.0
+H200_GEMM_BF16_TFLOPS = 691.0
+H200_GEMM_FP8_TFLOPS = 1224.0
 
 
 @dataclass
@@ -64,22 +82,22 @@ class Params:
     latency_us: float = 15.0  # one NCCL all-to-all, fixed part
     per_peer_us: float = 0.25  # one NCCL all-to-all, per remote peer
     # kernels: bandwidth (bytes read + written per second) and host/launch overhead per direction
-    copy_tbps: float = 4.25
-    megatron_kernel_tbps: float = 4.25 * 0.75
-    fp8a2a_kernel_tbps: float = 4.25 * 0.9
-    eager_quant_tbps: float = 0.35
-    megatron_overhead_us: float = 830.0  # 1.66 ms per dispatch + combine at 128 tokens (megatron-core)
-    fp8a2a_overhead_us: float = 100.0
-    hand_fp8_extra_us: float = 150.0  # user 1's extra eager kernels and the scales' all-to-all
-    gemm_bf16_tflops: float = 691.0
-    gemm_fp8_tflops: float = 1224.0
+    copy_tbps: float = H200_COPY_TBPS
+    megatron_kernel_tbps: float = H200_COPY_TBPS * H200_MEGATRON_COPY_SHARE
+    fp8a2a_kernel_tbps: float = H200_COPY_TBPS * H200_FP8A2A_COPY_SHARE
+    eager_quant_tbps: float = H200_EAGER_QUANT_TBPS
+    megatron_overhead_us: float = H200_MEGATRON_OVERHEAD_US
+    fp8a2a_overhead_us: float = H200_FP8A2A_OVERHEAD_US
+    hand_fp8_extra_us: float = H200_HAND_FP8_EXTRA_US  # user 1's extra eager kernels and the scales' all-to-all
+    gemm_bf16_tflops: float = H200_GEMM_BF16_TFLOPS
+    gemm_fp8_tflops: float = H200_GEMM_FP8_TFLOPS
     sources: Dict[str, str] = field(default_factory=dict)
 
 
 def _row_bytes(hidden, topk):
     try:
-        from . import ops
-        return ops.dispatch_row_bytes(hidden, ops.GRANULARITY["row"], topk), \
+        from .. import ops
+        return ops.dispatch_row_bytes(hidden, Granularity.ROW, topk), \
             ops.combine_row_bytes(hidden, torch.bfloat16, False, 0)
     except Exception:  # noqa: BLE001 - the formula of csrc/fp8_common.h, for a machine without the build
         return _pad_row((hidden + 3) // 4 * 4 + 4 + 12 * topk), _pad_row(2 * hidden)
@@ -188,8 +206,6 @@ def _fit(b1, t1, b2, t2):
 
 def measure(params: Params) -> Params:
     """Fill the kernel costs from this GPU at world size 1 (no communication: local kernels only)."""
-    from .bench import MegatronStyleAlltoAll, make_routing
-    from .dispatcher import Dispatcher
     P = params
     dev = torch.device("cuda", torch.cuda.current_device())
     P.copy_tbps = 2 * (256 << 20) / (_copy_ms(256 << 20, dev) / 1e3) / 1e12
@@ -254,9 +270,9 @@ def format_report(params: Params, rows: List[dict]) -> str:
            f"(at least one per rank: max(experts, EP)), top-{P.topk}",
            f"  links: {P.gpus_per_node} GPUs/node, NVLink {P.nvlink_gbps:g} GB/s/GPU, network {P.net_gbps:g} GB/s/GPU "
            f"(per direction, concurrent); all-to-all latency {P.latency_us:g} us + {P.per_peer_us:g} us per peer",
-           f"  GEMMs: BF16 {P.gemm_bf16_tflops:g}, FP8 {P.gemm_fp8_tflops:g} TFLOP/s (DESIGN.md, H200 grouped GEMM)"]
+           f"  GEMMs: BF16 {P.gemm_bf16_tflops:g}, FP8 {P.gemm_fp8_tflops:g} TFLOP/s (built-in H200 defaults: grouped GEMM)"]
     for k in ("copy_tbps", "megatron_kernel_tbps", "fp8a2a_kernel_tbps", "eager_quant_tbps"):
-        out.append(f"  {k}: {getattr(P, k):.2f} TB/s ({P.sources.get(k, 'assumed: DESIGN.md H200 figures')})")
+        out.append(f"  {k}: {getattr(P, k):.2f} TB/s ({P.sources.get(k, 'assumed: the built-in H200 defaults')})")
     for k in ("megatron_overhead_us", "fp8a2a_overhead_us", "hand_fp8_extra_us"):
         out.append(f"  {k}: {getattr(P, k):.0f} us per direction ({P.sources.get(k, 'assumed')})")
     out.append("  no overlap of communication with compute; routing balanced; no node-level dedup")
@@ -343,7 +359,7 @@ def run(args, out=None) -> List[dict]:
     rows = project(P, args.ep)
     print(format_report(P, rows), file=out)
     if not torch.cuda.is_available() and not args.kernels_json:
-        print("(no GPU here: kernel costs are DESIGN.md's H200 figures; run on a GPU, or pass --kernels-json)",
+        print("(no GPU here: kernel costs are the built-in H200 defaults; run on a GPU, or pass --kernels-json)",
               file=out)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,35 @@
+"""The sweep's CPU launch: `world` spawned processes joined by gloo (functional numbers only)."""
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT = datetime.timedelta(minutes=10)  # a collective a peer never joins fails instead of hanging
+
+
+def _worker(rank, world, port, fn, args, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    result = None
+    try:
+        result = fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+        if rank == 0:  # always answer, so that the parent never waits on a failed rank 0
+            results.put(result)
+
+
+def run_cpu_ranks(world, fn, *args):
+    """Rank 0's fn(rank, world, *args); a rank's exception is raised here with its traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    procs = mp.spawn(_worker, (world, port, fn, args, results), nprocs=world, join=False)
+    result = results.get()  # before joining: a large result would block rank 0's exit
+    while not procs.join():
+        pass
+    return result
