@@ -1,6 +1,7 @@
 """The benchmarks' own logic on the CPU: statistics, bandwidth, crossover, the BF16 baseline's
 semantics, a tiny sweep over 2 gloo ranks (JSON, CSV, PNG, exact wire bytes), the scale model,
-and the kernel and MoE-layer scripts at functional sizes."""
+and the kernel and MoE-layer benchmarks at functional sizes (run as programs: tests import no
+benchmark)."""
 import csv
 import importlib.util
 import json
@@ -21,18 +22,22 @@ from .distributed import run_ranks
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _run(*argv):
+    """`python ARGV` as a user runs it, from this checkout (the tests import no CLI or benchmark)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
 
 
 def _bench_command(*argv):
-    """`python -m fp8a2a.bench ARGV` as a user runs it, from this checkout (the tests import no CLI)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "fp8a2a.bench", *map(str, argv)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return _run("-m", "fp8a2a.bench", *argv)
+
+
+def _benchmark(name, *argv):
+    """benchmarks/NAME.py ARGV; asserts it succeeded and returns its standard output."""
+    done = _run(os.path.join("benchmarks", f"{name}.py"), *argv)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
 
 
 # ---- statistics and bandwidth ---------------------------------------------------------------
@@ -262,14 +267,13 @@ def test_model_takes_kernel_figures_from_bench_kernels_json(tmp_path):
     assert p.copy_tbps == 4.0 and p.fp8a2a_kernel_tbps == 3.0 and "k.json" in p.sources["fp8a2a_kernel_tbps"]
 
 
-# ---- the kernel and MoE-layer scripts at functional sizes ----------------------------------
+# ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------
 
-def test_bench_kernels_functional(tmp_path, capsys):
-    mod = _script("bench_kernels")
+def test_bench_kernels_functional(tmp_path):
     out = tmp_path / "k.json"
-    assert mod.main(["--tokens", "64", "--hidden", "256", "--host-tokens", "16", "--host-hidden", "256",
-                     "--iters", "2", "--host-calls", "2", "--experts", "16", "--ranks", "4", "--json", str(out),
-                     "--cpu"]) == 0
+    text = _benchmark("bench_kernels", "--tokens", "64", "--hidden", "256", "--host-tokens", "16", "--host-hidden",
+                      "256", "--iters", "2", "--host-calls", "2", "--experts", "16", "--ranks", "4", "--json", out,
+                      "--cpu")
     doc = json.loads(out.read_text())
     assert doc["functional_only"] is True and doc["copy_tbps"] > 0
     names = [r["op"] for r in doc["ops"]]
@@ -279,14 +283,13 @@ def test_bench_kernels_functional(tmp_path, capsys):
         assert r["ms"] > 0 and r["eager_ms"] > 0 and r["host_us"] > 0 and r["frac_of_copy"] > 0, r
     assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us",
                                    "dispatch_pack_host_vs_eager_quantize"}
-    text = capsys.readouterr().out
     assert "FUNCTIONAL" in text and "dispatch_pack" in text and "x copy" in text
 
 
-def test_bench_moe_layer_functional(tmp_path, capsys):
-    mod = _script("bench_moe_layer")
+def test_bench_moe_layer_functional(tmp_path):
     out = tmp_path / "m.json"
-    assert mod.main(["--shapes", "deepseek", "--iters", "1", "--warmup", "0", "--json", str(out), "--cpu"]) == 0
+    text = _benchmark("bench_moe_layer", "--shapes", "deepseek", "--iters", "1", "--warmup", "0", "--json", out,
+                      "--cpu")
     doc = json.loads(out.read_text())
     rec = doc["shapes"]["deepseek-v3-tiny"]
     assert rec["fp8"]["fwd_bwd_ms"] > 0 and rec["replica_bf16"]["fwd_bwd_ms"] > 0
@@ -294,4 +297,4 @@ def test_bench_moe_layer_functional(tmp_path, capsys):
     assert doc["target"]["path"] in ("fp8", "fp8_dgrad", "fp8_bwd") and doc["target"]["default_value"] > 0
     assert rec["rel_err_vs_bf16"] < 0.15  # FP8 rows + FP8 weights against the BF16 path
     assert doc["graphs"]["available"] is False and "not available" in doc["graphs"]["why"]
-    assert "target" in capsys.readouterr().out
+    assert "target" in text
