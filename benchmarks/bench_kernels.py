@@ -42,7 +42,7 @@ def median_ms(fn, device, iters, warmup=3, from_idle=False):
     """Median device time of one call. Calls are launched back to back, each between two events,
     so the host runs ahead as in a training step and the time is the GPU's (host_us measures the
     host). from_idle: synchronize before each call instead, so the time also holds the host's
-    latency to its first launch (the method of the sessions before 2026-11-29, session 4)."""
+    latency to its first launch ("wall time from an idle GPU")."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":

@@ -68,8 +68,8 @@ class ExpertsConfig:
                               more e4m3 rounding) and use torch._scaled_grouped_mm.
     tma_max_rows_per_expert:  average rows per expert up to which the scaled_grouped_mm backend's
                               fast-accumulation GEMMs run triton_kernels.grouped_mm_fp8 (faster than
-                              torch's op over the range scripts/probe_gmm_triton.py measured, see
-                              BENCHMARKS.md); above it, torch's op. 0: always torch's op.
+                              torch's op over the range measured in BENCHMARKS.md); above it,
+                              torch's op. 0: always torch's op.
     triton_backward:          the BF16 backward GEMMs use the Triton kernels even where
                               torch._grouped_mm runs (tests; torch builds without a working
                               _grouped_mm fall back by themselves).

@@ -134,8 +134,8 @@ def grouped_mm(a, b, offs, sa=None, sb=None, b_strides=None, n=None):
     return out
 
 
-# BM, BN, BK, warps, stages of grouped_mm_fp8: the fastest of scripts/probe_gmm_triton.py's tiles at
-# 128-256 rows per expert (BENCHMARKS.md)
+# BM, BN, BK, warps, stages of grouped_mm_fp8: the fastest tile measured at 128-256 rows per expert
+# (BENCHMARKS.md, Expert GEMM)
 FP8_TILE = (128, 256, 128, 8, 4)
 
 
@@ -173,7 +173,7 @@ def grouped_mm_fp8(a, sa, w, sw, offs, tile=None):
     """bf16 [M, N] = sa * (a @ w[e]^T) * sw[e] per expert group: e4m3 a [M, K] and w [E, N, K]
     (fp8_tma_ok), sa [M] (any stride), sw [E, N] contiguous. Operands through TMA, accumulation
     without promotion (what torch._scaled_grouped_mm does with use_fast_accum=True), one tile size
-    (FP8_TILE, or `tile` for probes): faster than torch's at a few hundred rows per expert."""
+    (FP8_TILE, or `tile` to try another): faster than torch's at a few hundred rows per expert."""
     M, K = a.shape
     E, N, _ = w.shape
     out = torch.empty((M, N), device=a.device, dtype=torch.bfloat16)

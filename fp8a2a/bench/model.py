@@ -50,7 +50,7 @@ def add_arguments(p):
     g.add_argument("--model-ffn", type=int, default=2048)
     g.add_argument("--model-experts", type=int, default=256)
     g.add_argument("--model-topk", type=int, default=8)
-    g.add_argument("--kernels-json", help="scripts/bench_kernels.py --json output: take the copy and "
+    g.add_argument("--kernels-json", help="benchmarks/bench_kernels.py --json output: take the copy and "
                                           "dispatch_pack bandwidths from it")
     g.add_argument("--no-measure", action="store_true", help="measure nothing: the built-in H200 defaults")
 

@@ -1,5 +1,5 @@
 """Helpers to run Megatron-core MoE layers where Megatron itself assumes CUDA and TransformerEngine
-(CPU tests, the CPU mode of scripts/train_moe_megatron.py). Not used by the adapter itself.
+(CPU tests, the CPU mode of examples/train_moe_megatron.py). Not used by the adapter itself.
 
 * PortableTopKRouter: TopKRouter whose gating is a plain torch linear on the input's device.
   megatron-core 0.16's TopKRouter.gating moves its weight to CUDA, and its router_gating_linear
