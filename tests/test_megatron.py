@@ -1,8 +1,8 @@
 """fp8a2a.megatron against real megatron-core (0.16.1 in CI) on 1, 2 and 4 gloo ranks.
 
 Reference: the same MoELayer (router, experts, weights, inputs) with Megatron's own `allgather`
-dispatcher, which runs on CPU (Megatron's `alltoall` needs CUDA streams; scripts/
-gpu_megatron_check.py compares with it on a GPU). Unquantized (BF16 fallback wire) runs must
+dispatcher, which runs on CPU (Megatron's `alltoall` needs CUDA streams; tests/gpu/
+test_megatron_gpu.py compares with it on a GPU). Unquantized (BF16 fallback wire) runs must
 match it to float32 rounding; FP8 runs within FP8 tolerance. Megatron assumes CUDA in two
 places on CPU, worked around in fp8a2a.megatron.testing (plain-torch router gating; CPU
 current_device in the child processes)."""
