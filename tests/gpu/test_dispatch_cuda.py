@@ -1,6 +1,9 @@
 """Dispatch on one GPU: the CPU scenarios on CUDA (no process group, and NCCL at world size 1),
 capacity mode without host syncs, and a captured dispatch -> experts -> combine step replayed
-from a CUDA graph. Skipped without CUDA; run on the GPU machine."""
+from a CUDA graph. Marked gpu (skipped without CUDA). On one GPU:
+
+    python -m pytest tests/gpu/test_dispatch_cuda.py -m gpu -q
+"""
 import os
 import warnings
 
@@ -11,9 +14,9 @@ import torch.distributed as dist
 import fp8a2a
 from fp8a2a.timing import capture_cuda_graph
 
-from .test_dispatch import BASE, CASES, cases_for_world, make_inputs, scenario
+from ..test_dispatch import BASE, CASES, cases_for_world, make_inputs, scenario
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def nccl_world_of_one():
 
 
 # The world-size-1 cases, less those about other ranks (an empty rank, a rank receiving nothing) and
-# those covered below (capacity drops, hidden 7168); scripts/dist_suite.py runs every case over NCCL.
+# those covered below (capacity drops, hidden 7168); test_dispatch_nccl.py runs every case over NCCL.
 WORLD_ONE = {n: c for n, c in cases_for_world(1).items()
              if n not in ("empty_rank", "receives_nothing", "capacity_with_drops", "hidden7168")}
 

@@ -1,0 +1,206 @@
+"""The Megatron adapter on a GPU: a full megatron-core MoELayer (router, dispatcher, experts) with
+--moe-token-dispatcher-type fp8_alltoall against the same layer (same weights, same input) with
+Megatron's own `alltoall`, forward and backward, at EP=1 on one GPU (NCCL world size 1). Each check
+bounds the relative L2 errors of the output, the input's gradient, the router's and the experts'
+gradients. Marked gpu; skipped where megatron.core is not importable. On one GPU (megatron-core
+0.19.2 there):
+
+    python -m pytest tests/gpu/test_megatron_gpu.py -m gpu -q
+
+Checks: FP8 wire (row / block128 / tensor scales) with Megatron's SequentialMLP experts; the
+unquantized wire (must match alltoall to bf16 rounding); drop-and-pad (fp8a2a's capacity mode vs
+alltoall's drop-and-pad); shared experts, overlapped or not; the FP8 experts spec (FP8GroupedMLP on
+the FP8 rows) against alltoall + SequentialMLP; TEGroupedMLP experts where TransformerEngine is
+importable; megatron.training's parser where it is importable. On CPU, tests/test_megatron.py runs
+the adapter against Megatron's allgather dispatcher on gloo ranks.
+"""
+import datetime
+import functools
+import socket
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore")]
+
+import fp8a2a.megatron as fm  # noqa: E402
+
+RAW = 1 << 40  # bf16_below_bytes that keeps every dispatch unquantized
+A = types.SimpleNamespace(tokens=4096, seq=1024, hidden=1024, ffn=1024, experts=16, topk=4)
+DEVICE = "cuda"
+REFERENCE = "alltoall"
+
+FP8_TOL = {"y": 0.05, "x.grad": 0.06, "router.grad": 0.1, "expert grads (max)": 0.08}
+FP8_EXPERTS_TOL = {"y": 0.08, "x.grad": 0.1, "router.grad": 0.15, "expert grads (max)": 0.1}
+RAW_TOL = {"*": 0.01}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_world_of_one():
+    """fp8_alltoall registered, NCCL at world size 1 and Megatron's model-parallel state."""
+    from megatron.core import parallel_state as ps, tensor_parallel
+    fm.register()
+    torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(minutes=5))
+    ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    yield
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    fm.unregister()
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_config(dispatcher, **over):
+    from megatron.core.transformer import TransformerConfig
+    fp8 = {k: over.pop(k) for k in list(over) if k.startswith("fp8a2a_")}
+    kw = dict(num_layers=1, hidden_size=A.hidden, num_attention_heads=8, ffn_hidden_size=A.ffn,
+              num_moe_experts=A.experts, moe_router_topk=A.topk, moe_token_dispatcher_type=dispatcher,
+              moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss", add_bias_linear=False,
+              gated_linear_unit=True, activation_func=torch.nn.functional.silu, bf16=True,
+              params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, moe_router_dtype="fp32")
+    kw.update(over)
+    cfg = TransformerConfig(**kw)
+    for k, v in fp8.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def moe_spec(use_te=False, grouped=False):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    return get_moe_module_spec(use_te=use_te, num_experts=A.experts, moe_grouped_gemm=grouped)
+
+
+def build(spec, cfg):
+    from megatron.core.transformer.spec_utils import build_module
+    if isinstance(spec, functools.partial):  # megatron-core >= 0.19
+        layer = spec(config=cfg)
+    else:
+        layer = build_module(spec, config=cfg)
+    return layer.to(DEVICE)
+
+
+def run(layer, x, G):
+    xi = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y, bias = layer(xi)
+    assert bias is None
+    (y.float() * G.float()).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach(), xi.grad.detach(), grads
+
+
+def compare(mine_over, tol, mine_spec=None, ref_spec=None, expect=None):
+    """Builds the alltoall reference and the fp8_alltoall layer with the same weights, runs both
+    forward and backward on one input, and asserts the relative errors are within `tol` and
+    `expect(seen, mine)` (what the experts were given) finds no problem."""
+    ref_over = {k: v for k, v in mine_over.items() if not k.startswith("fp8a2a_")}
+    torch.manual_seed(1)
+    ref = build(ref_spec or moe_spec(), make_config(REFERENCE, **ref_over))
+    mine = build(mine_spec or moe_spec(), make_config(fm.FP8_ALLTOALL, **mine_over))
+    from fp8a2a.megatron.dispatcher import FP8AlltoAllTokenDispatcher
+    assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher), type(mine.token_dispatcher)
+    assert list(mine.state_dict()) == list(ref.state_dict()), "parameter layouts differ"
+    mine.load_state_dict(ref.state_dict())
+    seen = {}
+
+    def hook(module, args):
+        seen["tokens"] = type(args[0]).__name__
+        seen["tpe"] = torch.as_tensor(args[1]).tolist()
+    mine.experts.register_forward_pre_hook(hook)
+
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    x = torch.randn(A.seq, A.tokens // A.seq, A.hidden, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    G = torch.randn(x.shape, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    y0, gx0, gp0 = run(ref, x, G)
+    y1, gx1, gp1 = run(mine, x, G)
+    assert set(gp0) == set(gp1), "different parameters got gradients"
+    err = {"y": rel(y1, y0), "x.grad": rel(gx1, gx0)}
+    err["router.grad"] = max(rel(gp1[n], gp0[n]) for n in gp0 if "router" in n)
+    err["expert grads (max)"] = max(rel(gp1[n], gp0[n]) for n in gp0 if "router" not in n)
+    over = {k: v for k, v in err.items() if v > tol.get(k, tol.get("*", 0.0))}
+    assert not over, f"relative L2 errors above {tol}: {over} (all: {err}; experts got {seen.get('tokens')})"
+    if expect is not None:
+        problem = expect(seen, mine)
+        assert problem is None, problem
+    del ref, mine
+    torch.cuda.empty_cache()
+
+
+def static_rows(factor):
+    """Drop-and-pad: every expert is given exactly its capacity in rows."""
+    cap = -(-A.tokens * A.topk * factor // A.experts)
+
+    def expect(seen, mine):
+        want = [int(cap)] * A.experts
+        return None if seen.get("tpe") == want else f"tokens_per_expert {seen.get('tpe')[:4]}... != {want[:4]}..."
+    return expect
+
+
+def fp8_input(seen, mine):
+    return None if seen.get("tokens") == "QuantizedTensor" and mine.token_dispatcher.deliver_fp8 else \
+        "the FP8 experts did not receive FP8 rows"
+
+
+FP8 = {"fp8a2a_bf16_below_bytes": 0}
+# name: (fp8_alltoall's config overrides, tolerances, what the experts must have been given)
+CHECKS = {
+    "fp8 row, SequentialMLP": (dict(FP8), FP8_TOL, None),
+    "fp8 block128, SequentialMLP": (dict(FP8, fp8a2a_granularity="block128"), FP8_TOL, None),
+    "fp8 tensor, SequentialMLP": (dict(FP8, fp8a2a_granularity="tensor"), FP8_TOL, None),
+    "unquantized wire, SequentialMLP": ({"fp8a2a_bf16_below_bytes": RAW}, RAW_TOL, None),
+    "drop-and-pad (capacity mode) vs alltoall": (dict(FP8, moe_expert_capacity_factor=1.0,
+                                                      moe_pad_expert_input_to_capacity=True), FP8_TOL,
+                                                 static_rows(1.0)),
+    "drop-and-pad, variable, unquantized": (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True,
+                                                 fp8a2a_capacity_mode="variable", fp8a2a_bf16_below_bytes=RAW),
+                                            RAW_TOL, None),
+    "shared experts, unquantized": (dict(moe_shared_expert_intermediate_size=A.ffn, fp8a2a_bf16_below_bytes=RAW),
+                                    RAW_TOL, None),
+    "shared experts overlapped, unquantized": (dict(moe_shared_expert_intermediate_size=A.ffn,
+                                                    moe_shared_expert_overlap=True, fp8a2a_bf16_below_bytes=RAW),
+                                               RAW_TOL, None),
+    "shared experts overlapped, fp8": (dict(FP8, moe_shared_expert_intermediate_size=A.ffn,
+                                            moe_shared_expert_overlap=True), FP8_TOL, None),
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_fp8_alltoall_matches_alltoall(name):
+    over, tol, expect = CHECKS[name]
+    compare(over, tol, expect=expect)
+
+
+@pytest.mark.parametrize("over", [dict(FP8), dict(FP8, fp8a2a_granularity="block128")], ids=["row", "block128"])
+def test_fp8_experts_spec(over):
+    """fp8a2a.megatron.fp8_experts_spec (FP8GroupedMLP on the FP8 rows) against alltoall + SequentialMLP."""
+    compare(over, FP8_EXPERTS_TOL, mine_spec=fm.fp8_experts_spec(moe_spec()), expect=fp8_input)
+
+
+@pytest.mark.parametrize("fp8_experts", [False, True], ids=["TEGroupedMLP", "fp8_experts_spec-over-TEGroupedMLP"])
+def test_te_grouped_mlp(fp8_experts):
+    """fp8_alltoall with TEGroupedMLP experts (or the FP8 experts spec over them) against alltoall +
+    TEGroupedMLP."""
+    pytest.importorskip("transformer_engine")  # after torch (imported above), as TE needs
+    mine_spec = fm.fp8_experts_spec(moe_spec(True, True)) if fp8_experts else moe_spec(True, True)
+    compare(dict(FP8), FP8_EXPERTS_TOL, mine_spec=mine_spec, ref_spec=moe_spec(True, True))
+
+
+def test_megatron_training_parser_accepts_fp8_alltoall(monkeypatch):
+    arguments = pytest.importorskip("megatron.training.arguments")
+    monkeypatch.setattr(sys, "argv", ["x", "--moe-token-dispatcher-type", "fp8_alltoall", "--fp8a2a-granularity",
+                                      "block128", "--fp8a2a-bf16-below-bytes", "0", "--num-experts", "8"])
+    args = arguments.parse_args()
+    assert args.moe_token_dispatcher_type == "fp8_alltoall" and args.fp8a2a_granularity == "block128"
+    fm.resolve(args)
