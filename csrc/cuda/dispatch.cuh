@@ -9,22 +9,29 @@ namespace fp8a2a {
 
 // A dispatch wire row as the kernels read it, built once per call on the host from
 // fp8_common.h's DispatchRow, the one description of the row's bytes (offsets in 32 bits: rows
-// are far below 2^31 bytes). The payload is bytes [0, hidden); the K-entry slot arrays (K: the
-// params' top-k, DispatchRow's topk) follow at scale_off..pos_off; the row ends at `bytes`.
+// are far below 2^31 bytes), and the granularity code the row's scales follow (kColWire). The
+// payload is bytes [0, hidden); the K-entry slot arrays (K: the params' top-k, DispatchRow's
+// topk) follow at scale_off..pos_off; the row ends at `bytes`.
+// The field order is part of the kernels' parameter layout (nvcc pairs adjacent 32-bit fields of
+// an 8-byte slot into one load): gran with scale_off and weight_off with expert_off give the pack
+// kernels the loads, and the registers, they had with flat parameters.
 struct DispatchWire {
   int64_t hidden;  // elements per row = payload bytes (e4m3; raw: the activation's own bytes)
   int64_t bytes;   // the row's size in the buffer, a multiple of kRowAlign
-  int num_scales, scale_off, weight_off, expert_off, pos_off;
+  int gran;        // granularity code (kRaw: no scales)
+  int scale_off, weight_off, expert_off, pos_off;
+  int num_scales;
 
   DispatchWire() = default;
-  explicit DispatchWire(const DispatchRow& L)
+  DispatchWire(const DispatchRow& L, int64_t granularity)
       : hidden(L.hidden),
         bytes(L.bytes),
-        num_scales(static_cast<int>(L.num_scales)),
+        gran(static_cast<int>(granularity)),
         scale_off(static_cast<int>(L.scale_off)),
         weight_off(static_cast<int>(L.weight_off)),
         expert_off(static_cast<int>(L.expert_off)),
-        pos_off(static_cast<int>(L.pos_off)) {}
+        pos_off(static_cast<int>(L.pos_off)),
+        num_scales(static_cast<int>(L.num_scales)) {}
 };
 
 // One dispatch_pack call as the layout and the pack kernels see it, filled once on the host (the
@@ -69,7 +76,7 @@ bool dispatch_early_launch_ok(int device);
 
 // Points shape's tables into scratch (plan's layout) and launches the layout kernel, then the scan
 // kernel when there are several chunks (early when pdl).
-void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* scratch, int64_t TK, int64_t gran,
-                            bool idx64, bool pdl, cudaStream_t stream, int device);
+void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* scratch, int64_t TK, bool idx64,
+                            bool pdl, cudaStream_t stream, int device);
 
 }  // namespace fp8a2a

@@ -252,8 +252,8 @@ LayoutPlan plan_dispatch_layout(int64_t TK, int64_t R, int64_t cols, int device)
 
 bool dispatch_early_launch_ok(int device) { return early_launch_ok(dispatch_scan_kernel, device); }
 
-void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* scratch, int64_t TK, int64_t gran,
-                            bool idx64, bool pdl, cudaStream_t stream, int device) {
+void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* scratch, int64_t TK, bool idx64,
+                            bool pdl, cudaStream_t stream, int device) {
   const int64_t cols = shape.cols;
   shape.rank_off = scratch;
   shape.chunk_off = scratch + shape.R;
@@ -270,7 +270,7 @@ void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* s
   lp.steps = plan.steps;
   lp.nchunks = static_cast<int>(plan.nchunks);
   lp.H = shape.wire.hidden;
-  lp.gran = gran;
+  lp.gran = shape.wire.gran;
   lp.cap = shape.cap;
   lp.slot_rank = shape.slot_rank;
   lp.chunk_tot = scratch + shape.R + plan.nchunks * cols;

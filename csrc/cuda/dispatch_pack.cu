@@ -18,7 +18,6 @@ struct PackParams : DispatchShape {
   uint8_t* send;
   int* send_pos;
   int64_t T;
-  int gran;
   bool vec;      // raw: 16-byte copies
   int self_off;  // self routing: byte offset of its shared memory area (counts: written here)
 };
@@ -156,7 +155,7 @@ __device__ void self_routing(const PackParams& p, int64_t t, const RouteSmem& s,
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int r = static_cast<int>(i / C), c = static_cast<int>(i - static_cast<int64_t>(r) * C);
     p.counts[i] = c == kColRows ? rows[r] : c >= kColExperts ? hist[r * El + (c - kColExperts)]
-                                                             : count_header(c, p.wire.hidden, K, *bad, p.gran);
+                                                             : count_header(c, p.wire.hidden, K, *bad, p.wire.gran);
   }
 }
 
@@ -215,7 +214,7 @@ __device__ __forceinline__ void write_send_pos(const PackParams& p, int64_t t, c
 __device__ __forceinline__ uint32_t dispatch_tail_word(const PackParams& p, int64_t off, int r, float row_scale,
                                                        const RouteSmem& s) {
   if (off < p.wire.weight_off) {
-    if (p.gran == kBlock128) return __float_as_uint(scale_of(s.amax[(off - p.wire.scale_off) >> 2]));
+    if (p.wire.gran == kBlock128) return __float_as_uint(scale_of(s.amax[(off - p.wire.scale_off) >> 2]));
     return __float_as_uint(row_scale);
   }
   if (off < p.wire.expert_off) {
@@ -260,13 +259,13 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
   // each branch has one __syncthreads(): the routing in shared memory is complete after it
   float q[UPT];
   float row_scale = 0.0f;
-  if (p.gran == kRow) {
+  if (p.wire.gran == kRow) {
     const float m = amax_value(block_max_u32(units_amax_bits<T, UPT>(w, U), reinterpret_cast<uint32_t*>(s.red)));
 #pragma unroll
     for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(m);
     row_scale = scale_of(m);
   } else {
-    if (p.gran == kTensor) {
+    if (p.wire.gran == kTensor) {
       row_scale = __ldg(p.tscale);
       const float tq = 1.0f / row_scale;  // IEEE division, as ops_cpu.cpp
 #pragma unroll
@@ -310,7 +309,7 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   route_token<IdxT, SELF>(p, t, s, smem);
   float rm = 0.0f;
-  if (p.gran == kBlock128) {
+  if (p.wire.gran == kBlock128) {
     const int64_t nb = H / kBlock;
     for (int64_t b = warp; b < nb; b += nwarps) {
       float m = 0.0f;
@@ -318,17 +317,17 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
       m = warp_amax(m);
       if (lane == 0) s.amax[b] = m;
     }
-  } else if (p.gran == kRow) {
+  } else if (p.wire.gran == kRow) {
     for (int64_t h = threadIdx.x; h < H; h += blockDim.x) rm = amax_step(rm, Elem<T>::load1(xrow + h));
     rm = warp_amax(rm);
     if (lane == 0) s.red[warp] = rm;
   }
   __syncthreads();
   float q = 0.0f, row_scale = 0.0f;
-  if (p.gran == kTensor) {
+  if (p.wire.gran == kTensor) {
     row_scale = __ldg(p.tscale);
     q = 1.0f / row_scale;
-  } else if (p.gran == kRow) {
+  } else if (p.wire.gran == kRow) {
     rm = 0.0f;
     for (int i = 0; i < nwarps; ++i) rm = amax_step(rm, s.red[i]);
     q = quant_multiplier(rm);
@@ -341,7 +340,7 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
     const int r = s.rank[k];
     uint8_t* dst = p.send + static_cast<int64_t>(row) * p.wire.bytes;
     for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-      const float qh = p.gran == kBlock128 ? quant_multiplier(s.amax[h / kBlock]) : q;
+      const float qh = p.wire.gran == kBlock128 ? quant_multiplier(s.amax[h / kBlock]) : q;
       dst[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), qh));
     }
     write_dispatch_tail(p, dst, r, row_scale, s, threadIdx.x, blockDim.x);
@@ -422,7 +421,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   const bool pdl = dispatch_early_launch_ok(device);
   DispatchShape shape{};  // the layout's tables stay null on the self-routed path
   shape.idx = topk_idx.data_ptr();
-  shape.wire = DispatchWire(L);
+  shape.wire = DispatchWire(L, granularity);
   shape.cap = rank_capacity;
   shape.K = static_cast<int>(K);
   shape.E = static_cast<int>(num_experts);
@@ -433,8 +432,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   shape.counts = counts.data_ptr<int64_t>();
   if (!self_route) {
     int* scratch = reinterpret_cast<int*>(send_alloc.data_ptr<uint8_t>() + send_bytes);
-    launch_dispatch_layout(shape, plan, scratch, TK, granularity, topk_idx.scalar_type() == at::kLong, pdl, stream,
-                           device);
+    launch_dispatch_layout(shape, plan, scratch, TK, topk_idx.scalar_type() == at::kLong, pdl, stream, device);
   }
   if (T == 0) return {send, counts, send_pos};
 
@@ -445,7 +443,6 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.send = send.data_ptr<uint8_t>();
   p.send_pos = send_pos.data_ptr<int>();
   p.T = T;
-  p.gran = static_cast<int>(granularity);
   p.vec = H % 16 == 0 && aligned16(x.data_ptr());
   p.self_off = static_cast<int>(route_bytes);
   const size_t smem = route_bytes + (self_route ? self_smem_bytes(TK, num_experts, R, K) : 0);

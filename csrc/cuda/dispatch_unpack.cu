@@ -232,7 +232,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(
   p.tpe = tpe.data_ptr<int64_t>();
   p.slot_pos = slot_pos.data_ptr<int>();
   p.row_src = row_src.data_ptr<int>();
-  p.wire = DispatchWire(L);
+  p.wire = DispatchWire(L, granularity);
   p.Nr = Nr;
   p.N = num_rows;
   p.rcap = rank_capacity;
