@@ -7,7 +7,7 @@
 // order with no fused multiply-add (__fmul_rn/__fadd_rn), the same float -> bf16/fp16 rounding as
 // c10's host code. The one thing that can differ is the sign or payload of a NaN made by arithmetic
 // (x86 makes inf*0 a negative NaN, the GPU a positive one): compare NaNs as NaNs
-// (scripts/check_cuda_ops.py does).
+// (tests/gpu/test_cuda_ops.py does).
 //
 // No op syncs with the host, allocates by data, or reads a device value on the host: the tensor
 // scale is read inside the kernels, and every launch goes to the current stream, so all ops record
@@ -161,7 +161,7 @@ __device__ __forceinline__ uint4 load_fp8_unit(const uint8_t* p) { return __ldg(
 // On sm_89+ the hardware converts pairs: cvt.rn.satfinite.e4m3x2.f32 (round to nearest even,
 // saturating to +-448, inf -> +-448) gives e4m3_from_f32's byte for every non-NaN float, and
 // cvt.rn.f16x2.e4m3x2 gives f32_from_e4m3's value exactly (e4m3 is a subset of f16); only the
-// sign/payload of NaN can differ. scripts/check_cuda_ops.py checks both against fp8_common.h on
+// sign/payload of NaN can differ. tests/gpu/test_cuda_ops.py checks both against fp8_common.h on
 // all 2^32 floats. Define FP8A2A_SOFT_E4M3 to use fp8_common.h's code instead.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(FP8A2A_SOFT_E4M3)
 #define FP8A2A_HW_E4M3 1
