@@ -226,7 +226,7 @@ class Dispatcher:
         self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
         # NCCL moves CUDA tensors only (gloo takes CPU and CUDA ones): checked per call, before any
         # collective, as an attribute read
-        self._device_type = "cuda" if not self.local and dist.get_backend(group) == "nccl" else None
+        self._needs_cuda = not self.local and dist.get_backend(group) == "nccl"
         if self.world > 1:
             self._check_agreement(scale_bits, scale_error)
         elif scale_error is not None:
@@ -347,11 +347,10 @@ class Dispatcher:
         if topk_idx.device != device or topk_weights.device != device:
             raise ValueError(f"fp8a2a: dispatch needs x, topk_idx and topk_weights on one device, got {device}, "
                              f"{topk_idx.device} and {topk_weights.device}")
-        _check_device(device, self._device_type, "dispatch")
-        if topk_idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"fp8a2a: topk_idx must be int64 or int32, got {topk_idx.dtype}")
-        if not topk_weights.is_floating_point():
-            raise ValueError(f"fp8a2a: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
+        _check_device(x, self._needs_cuda, "dispatch")
+        if topk_idx.dtype not in _IDX_DTYPES or not topk_weights.is_floating_point():
+            raise ValueError(f"fp8a2a: topk_idx must be int64 or int32 and topk_weights floating-point, got "
+                             f"{topk_idx.dtype} and {topk_weights.dtype}")
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"fp8a2a: expected x [T, H] and topk_idx [T, K], got {tuple(x.shape)} and "
                              f"{tuple(topk_idx.shape)}")
@@ -508,14 +507,18 @@ class Dispatcher:
         return Granularity.RAW if all(raw) else self.code
 
 
-def _check_device(device: torch.device, required: Optional[str], op: str):
+_IDX_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_device(t: torch.Tensor, needs_cuda: bool, op: str):
     """A dispatch or combine input's device: never meta outside tracing (the fake kernels would hand
-    back uninitialised buffers), and the type the group's backend moves (`required`, None: any)."""
-    if device.type == "meta" and not _tracing():
+    back uninitialised buffers), CUDA where the group's backend is NCCL. Attribute reads only (a
+    tensor's is_meta and is_cuda are cheaper than its device's type)."""
+    if t.is_meta and not _tracing():
         raise ValueError(f"fp8a2a: {op} got meta tensors outside torch.compile tracing: there is no data to send")
-    if required is not None and device.type != required:
-        raise ValueError(f"fp8a2a: {op} got tensors on {device}, but the process group's backend needs "
-                         f"{required} tensors")
+    if needs_cuda and not t.is_cuda:
+        raise ValueError(f"fp8a2a: {op} got tensors on {t.device}, but the process group's backend (NCCL) needs "
+                         f"CUDA tensors")
 
 
 _COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

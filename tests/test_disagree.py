@@ -122,17 +122,17 @@ def test_dispatch_input_rejected_on_one_rank_raises_on_every_rank(case, mode):
         if rank == 1:
             x, idx, w = _bad_dispatch_input(case, x, idx, w)
             if case == "cpu_on_nccl":  # what a Dispatcher on an NCCL group requires (CPU here: gloo)
-                d._device_type = "cuda"
+                d._needs_cuda = True
         try:
             d.dispatch(x, idx, w)
         finally:
-            d._device_type = None
+            d._needs_cuda = False
 
     # the bad call is the first of its shape on this Dispatcher (capacity mode reads the header then)
     msgs = _raises_then_recovers(bad, dispatcher)
     assert "ranks [1] rejected their dispatch input" in msgs[0], msgs
-    cause = {"idx_float": "topk_idx must be int64 or int32", "weights_int": "topk_weights must be a floating",
-             "cpu_on_nccl": "backend needs cuda tensors", "all_meta": "meta tensors outside"}.get(case, "one device")
+    cause = {"idx_float": "topk_idx must be int64 or int32", "weights_int": "topk_weights floating-point",
+             "cpu_on_nccl": "(NCCL) needs CUDA tensors", "all_meta": "meta tensors outside"}.get(case, "one device")
     assert cause in msgs[1], msgs
 
 
