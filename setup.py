@@ -13,12 +13,14 @@ except ImportError:
              "`pip install --no-build-isolation -e .` so the build sees that torch.")
 
 with_cuda = torch.cuda._is_compiled() and os.environ.get("FP8A2A_FORCE_CPU", "0") != "1"
-sources = sorted(glob.glob("csrc/*.cpp"))
+# csrc/*.cpp: the op registrations; csrc/cpu: the CPU kernels; csrc/cuda: the CUDA kernels, one file a stage.
+sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/**/*.cpp", recursive=True))
 # No FMA contraction: the CPU kernels must round like the CUDA ones (aarch64 GCC fuses by default).
 cxx = ["-O3", "-std=c++17", "-ffp-contract=off"]
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    ext = CUDAExtension("fp8a2a._C", sources + sorted(glob.glob("csrc/*.cu")),
+    ext = CUDAExtension("fp8a2a._C", sources + sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)),
+                        define_macros=[("FP8A2A_WITH_CUDA", None)],  # ops.cpp registers the CUDA kernels
                         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]})
 else:
     ext = CppExtension("fp8a2a._C", sources, extra_compile_args=cxx)

@@ -1,5 +1,6 @@
-// Op schemas (TORCH_LIBRARY) and the CPU registrations. CUDA kernels register themselves in
-// ops_cuda.cu; fake (meta) implementations for torch.compile / CUDA graphs are in fp8a2a/ops.py.
+// Op schemas (TORCH_LIBRARY) and the registrations of both backends: the CPU kernels (csrc/cpu/)
+// always, the CUDA ones (csrc/cuda/) when the build compiles them (setup.py defines
+// FP8A2A_WITH_CUDA). Fake (meta) implementations for torch.compile / CUDA graphs are in fp8a2a/ops.py.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -61,5 +62,17 @@ TORCH_LIBRARY_IMPL(fp8a2a, CPU, m) {
   m.impl("combine_unpack", &combine_unpack_cpu);
   m.impl("capacity_drop", &capacity_drop_cpu);
 }
+
+#ifdef FP8A2A_WITH_CUDA
+TORCH_LIBRARY_IMPL(fp8a2a, CUDA, m) {
+  m.impl("quantize", &quantize_cuda);
+  m.impl("dequantize", &dequantize_cuda);
+  m.impl("dispatch_pack", &dispatch_pack_cuda);
+  m.impl("dispatch_unpack", &dispatch_unpack_cuda);
+  m.impl("combine_pack", &combine_pack_cuda);
+  m.impl("combine_unpack", &combine_unpack_cuda);
+  m.impl("capacity_drop", &capacity_drop_cuda);
+}
+#endif
 
 }  // namespace fp8a2a

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "ops.h"
+#include "../ops.h"
 
 namespace fp8a2a {
 namespace {
