@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_of_amax, tensor_amax
-from .wire import REJECTED, CountsCol, Granularity
+from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_rule, tensor_amax
+from .wire import ACT_DTYPES, REJECTED, CountsCol, Granularity
 
 # Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
 # exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
@@ -412,21 +412,25 @@ class Dispatcher:
         return idx, topk_weights.unsqueeze(-1).expand(*topk_weights.shape, tp).flatten(1)
 
     def _tensor_scale(self, x):
+        """(the dequant scale s, what dispatch_pack takes: s for a given scale, whose multiplier is
+        1 / s; [s, 448 / amax] for one from the amax: the scale rule, so the bytes equal row
+        granularity's for the same amax)."""
         if self.tensor_scale is not None:
-            return self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+            scale = self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+            return scale, scale
         amax = tensor_amax(x)
         if self.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
             # NaN as inf: a MAX all-reduce may drop NaN (gloo, by rank order); inf poisons every rank alike
             amax = torch.nan_to_num(amax, nan=math.inf, posinf=math.inf)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        return scale_of_amax(amax)
+        q, s = scale_rule(amax)
+        sq = torch.stack((s, q))
+        return sq[0], sq
 
     def _pack(self, x, route: _Route, wire, tensor_scale=None):
-        xin = x.detach().contiguous()
-        if wire == Granularity.RAW:
-            xin = xin.view(torch.uint8)
-        return ops.dispatch_pack(xin, route.topk_idx, route.topk_weights, self.num_experts * self.tp, self.world,
-                                 wire, tensor_scale, route.rank_capacity)
+        # raw: the op sends x's own bytes and writes its dtype in the header, as for every wire
+        return ops.dispatch_pack(x.detach().contiguous(), route.topk_idx, route.topk_weights,
+                                 self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
 
     def _unpack(self, recv, handle, wire):
         """dispatch_unpack; a raw (unquantized) wire's rows come back viewed as [N, hidden] handle.dtype."""
@@ -442,9 +446,9 @@ class Dispatcher:
         capacity = route.expert_capacity > 0
         # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
         local = Granularity.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
-        scale = self._tensor_scale(x) if self.code == Granularity.TENSOR else None
+        scale, packed_scale = self._tensor_scale(x) if self.code == Granularity.TENSOR else (None, None)
         try:
-            send, counts, send_pos = self._pack(x, route, local, scale)
+            send, counts, send_pos = self._pack(x, route, local, packed_scale)
         except Exception:
             self._fail_peers()
             raise
@@ -458,7 +462,7 @@ class Dispatcher:
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
-            send, counts, send_pos = self._pack(x, route, wire, scale)
+            send, counts, send_pos = self._pack(x, route, wire, packed_scale)
         handle = DispatchHandle(wire=wire, send_pos=send_pos, send_counts_host=mine, recv_counts_host=theirs, **layout)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire)
@@ -499,6 +503,9 @@ class Dispatcher:
         topks = [row[CountsCol.TOPK] for row in headers]
         if len(set(topks)) != 1:
             raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
+        dtypes = [row[CountsCol.DTYPE] for row in headers]
+        if len(set(dtypes)) != 1:  # combine's rows carry x's dtype: they would differ in size or meaning
+            raise ValueError(f"fp8a2a: ranks dispatch x of different dtypes: {[ACT_DTYPES.get(d, d) for d in dtypes]}")
         wires = [row[CountsCol.WIRE] for row in headers]
         sizes = [row[CountsCol.HIDDEN] // elem if w == Granularity.RAW else row[CountsCol.HIDDEN] for row, w in zip(headers, wires)]
         if any(s != hidden for s in sizes):

@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - only without a build
 GRANULARITY = {g.label: int(g) for g in QUANTIZED}
 RAW = int(Granularity.RAW)
 BLOCK = 128
-HIDDEN, TOPK, BAD_IDS, WIRE, ROWS, COUNTS_HEADER = (int(c) for c in CountsCol)
+HIDDEN, TOPK, BAD_IDS, WIRE, DTYPE, ROWS, COUNTS_HEADER = (int(c) for c in CountsCol)
 FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
 
@@ -73,7 +73,8 @@ def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_sca
                  ("tensor_scale", tensor_scale))
     t, k = topk_idx.shape
     rows = num_ranks * rank_capacity if rank_capacity else t * min(k, num_ranks)
-    return (x.new_empty((rows, dispatch_row_bytes(x.shape[1], granularity, k)), dtype=torch.uint8),
+    hidden = x.shape[1] * x.element_size() if granularity == Granularity.RAW else x.shape[1]  # raw: bytes
+    return (x.new_empty((rows, dispatch_row_bytes(hidden, granularity, k)), dtype=torch.uint8),
             x.new_empty((num_ranks, CountsCol.EXPERTS + num_experts // num_ranks), dtype=torch.int64),
             x.new_empty((t, num_ranks), dtype=torch.int32))
 

@@ -241,3 +241,60 @@ def test_capacity_mode_counts_out_of_range_ids_at_world_size_one():
     assert int(out.handle.invalid_ids) == 1
     with pytest.raises(ValueError, match="expert ids outside"):  # the default mode still raises
         fp8a2a.Dispatcher(E).dispatch(torch.randn(T, H), idx, torch.rand(T, K))
+
+
+# ---- x dtype differing across ranks (the counts header's DTYPE column) ---------------------------
+
+@pytest.mark.parametrize("wire", ["fp8", "raw", "mixed", "capacity"])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)])
+def test_x_dtype_differing_on_one_rank_raises_on_every_rank(dtypes, wire):
+    opts = dict(capacity_factor=2.0) if wire == "capacity" else {}
+    made = {}
+
+    def dispatcher(rank, world):
+        if "d" not in made:
+            below = {"fp8": 0, "raw": 1 << 30, "mixed": [0, 1 << 30][rank], "capacity": 0}[wire]
+            made["d"] = fp8a2a.Dispatcher(E, bf16_below_bytes=below, **opts)
+        return made["d"]
+
+    def bad(rank, world):
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32)
+        dispatcher(rank, world).dispatch(xs[rank].to(dtypes[rank]), idxs[rank], ws[rank])
+
+    msgs = _raises_then_recovers(bad, dispatcher)
+    want = f"ranks dispatch x of different dtypes: ['{str(dtypes[0])[6:]}', '{str(dtypes[1])[6:]}']"
+    assert all(want in m for m in msgs), msgs
+
+
+# ---- tensor granularity: the documented rule --------------------------------------------------
+
+def _near_rounding_ties(amax: float) -> torch.Tensor:
+    """[rows, 256] float32 whose every row has amax `amax` and whose values, times 448 / amax, lie
+    within a few ulps of e4m3's rounding midpoints: a one-ulp change of the multiplier moves bytes."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    base = torch.div((codes[:-1] + codes[1:]) / 2, torch.div(torch.tensor(448.0), torch.tensor(amax)))
+    x = torch.cat([base * (1 + k * 1e-7) for k in range(-20, 21)])
+    x = torch.cat([x, -x, torch.zeros((-2 * x.numel()) % 256)]).view(-1, 256)
+    x[:, 7] = amax
+    return x
+
+
+def test_tensor_granularity_bytes_equal_row_granularity_for_the_same_amax():
+    # every row's amax is the tensor's, so 'row' and 'tensor' must quantize alike: data = e4m3(x * (448 / amax))
+    for amax in (3.8469135761260986, 7.478944778442383, 3.0):
+        x = _near_rounding_ties(amax)
+        row, tensor = fp8a2a.quantize(x, "row"), fp8a2a.quantize(x, "tensor")
+        assert torch.equal(row.data.view(torch.uint8), tensor.data.view(torch.uint8)), amax
+        assert torch.equal(row.scale, tensor.scale.expand(x.shape[0]))
+        # the Dispatcher's tensor scale comes from the (all-reduced) amax too
+        idx, w = torch.arange(x.shape[0]).remainder(E).unsqueeze(1), torch.ones(x.shape[0], 1)
+        rows = [fp8a2a.Dispatcher(E, granularity=gr, bf16_below_bytes=0).dispatch(x, idx, w).tokens.data
+                for gr in ("row", "tensor")]
+        assert torch.equal(rows[0].view(torch.uint8), rows[1].view(torch.uint8)), amax
+        if amax != 3.0:  # where 1 / (amax / 448) != 448 / amax, the old multiplier moved bytes here
+            old = (x * torch.div(torch.ones(()), row.scale[0])).to(torch.float8_e4m3fn)
+            assert not torch.equal(old.view(torch.uint8), row.data.view(torch.uint8))
+    # a given tensor_scale has no amax: its multiplier is 1 / scale (IEEE division)
+    s = torch.tensor(0.37 / 448)
+    want = (x * torch.div(torch.ones(()), s)).to(torch.float8_e4m3fn)
+    assert torch.equal(fp8a2a.quantize(x, "tensor", s).data.view(torch.uint8), want.view(torch.uint8))
