@@ -28,8 +28,10 @@ TORCH_LIBRARY(fp8a2a, m) {
   m.def("quantize(Tensor x, int granularity, Tensor? scale) -> (Tensor data, Tensor scale)");
   m.def("dequantize(Tensor data, Tensor scale, ScalarType dtype) -> Tensor");
   // -> send rows [T*min(K,R), DispatchRow.bytes] uint8 ordered by destination rank (only the first
-  //    counts[:, rows].sum() are written), counts [R, 5 + local experts] int64, send_pos [T, R] int32.
+  //    counts[:, rows].sum() are written), counts [R, kColExperts + local experts] int64, send_pos [T, R] int32.
   //    rank_capacity > 0 (capacity mode): rows for rank r start at r * rank_capacity, [R * rank_capacity] rows.
+  //    granularity 3 (raw): x's own bytes (x float, or already viewed as uint8). tensor_scale (tensor
+  //    granularity): [s] (multiplier 1 / s) or [s, q] (q = 448 / amax by the scale rule).
   m.def(
       "dispatch_pack(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
       "int granularity, Tensor? tensor_scale, int rank_capacity=0) -> (Tensor send, Tensor counts, Tensor send_pos)");

@@ -85,6 +85,24 @@ inline void check_f32_vector(const std::optional<Tensor>& t, int64_t n, const Te
   check_same_device(like, *t, name);
 }
 
+// The counts header's dtype code of an activation (kColDtype).
+inline int64_t act_dtype_code(const Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return kDtypeFloat32;
+    case at::kHalf: return kDtypeFloat16;
+    case at::kBFloat16: return kDtypeBFloat16;
+    default: return kDtypeBytes;
+  }
+}
+
+// dispatch_pack's activation as its kernels take it: raw (unquantized) rows are the activation's
+// bytes, so a float activation is viewed as uint8 [tokens, hidden * elem] (a uint8 view is taken as is).
+inline Tensor pack_input(const Tensor& x, int64_t granularity) {
+  if (granularity != kRaw || x.scalar_type() == at::kByte) return x;
+  check_activation(x, "x");
+  return x.view(at::kByte);
+}
+
 inline void check_routing(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
                           int64_t num_ranks, int64_t granularity) {
   if (granularity == kRaw) {
@@ -110,11 +128,15 @@ inline void check_routing(const Tensor& x, const Tensor& topk_idx, const Tensor&
               ")");
 }
 
-inline void check_tensor_scale(const std::optional<Tensor>& scale, const Tensor& x) {
+// A tensor scale: the dequant scale s (one element; the quant multiplier is then 1 / s), or where
+// `with_multiplier` (dispatch_pack) also [s, q]: s and the multiplier q the caller derived from the
+// amax by the scale rule (q = 448 / amax), as row granularity has.
+inline void check_tensor_scale(const std::optional<Tensor>& scale, const Tensor& x, bool with_multiplier = false) {
   TORCH_CHECK(scale.has_value(), "fp8a2a: granularity 'tensor' needs a scale");
-  TORCH_CHECK(scale->numel() == 1 && scale->scalar_type() == at::kFloat,
-              "fp8a2a: the tensor scale must be a one-element float32 tensor, got ", scale->sizes(), " ",
-              scale->scalar_type());
+  TORCH_CHECK((scale->numel() == 1 || (with_multiplier && scale->dim() == 1 && scale->numel() == 2)) &&
+                  scale->scalar_type() == at::kFloat && scale->is_contiguous(),
+              "fp8a2a: the tensor scale must be a one-element float32 tensor",
+              with_multiplier ? " (or [scale, multiplier])" : "", ", got ", scale->sizes(), " ", scale->scalar_type());
   check_same_device(x, *scale, "scale");
 }
 

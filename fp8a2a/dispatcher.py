@@ -10,6 +10,7 @@ backward is a dispatch of dy (FP8 by default) over the cached layout, with no co
 """
 import functools
 import math
+import struct
 from dataclasses import dataclass, field, fields, replace
 from typing import List, Optional, Union
 
@@ -17,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_of_amax, tensor_amax
-from .wire import REJECTED, CountsCol, Granularity
+from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_rule, tensor_amax
+from .wire import ACT_DTYPES, REJECTED, CountsCol, Granularity
 
 # Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
 # exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
@@ -58,6 +59,28 @@ def _group_info(group):
             raise ValueError("fp8a2a: a process group was given but torch.distributed is not initialized")
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _float64_bits(v: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
+def _show_float32_scale(bits: int):
+    if bits < 0:
+        return None if bits == -1 else "invalid"
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+# The options _check_agreement compares (name, how to print a rank's value), in the order of
+# Dispatcher._agreed_options.
+_AGREED_OPTIONS = (("num_experts", int), ("granularity", lambda c: Granularity(c).label), ("expert_tp_size", int),
+                   ("tensor_scale", _show_float32_scale), ("fp8_combine", bool), ("fp8_dispatch_backward", bool),
+                   ("capacity_factor", lambda b: None if b == -1 else struct.unpack("<d", struct.pack("<q", b))[0]))
+
+
+def _tracing() -> bool:
+    """Under torch.compile (or export) tracing: there meta and fake tensors are the normal case."""
+    return torch.compiler.is_compiling()
 
 
 @dataclass(frozen=True)
@@ -201,24 +224,40 @@ class Dispatcher:
         self.capacity_factor = config.capacity_factor
         self._validated_shapes = set()
         self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
+        # NCCL moves CUDA tensors only (gloo takes CPU and CUDA ones): checked per call, before any
+        # collective, as an attribute read
+        self._needs_cuda = not self.local and dist.get_backend(group) == "nccl"
         if self.world > 1:
             self._check_agreement(scale_bits, scale_error)
         elif scale_error is not None:
             raise scale_error
 
     def _check_agreement(self, scale_bits, scale_error):
-        # Once per Dispatcher, not per call: every rank must agree on the expert count and format,
-        # or the per-call exchanges would have mismatched sizes (a hang, not an error). A rank with
-        # an invalid tensor scale joins the gather too (-2), so that every rank raises.
-        every = self._gather_ints([self.num_experts, self.code, self.tp, scale_bits])
+        # Once per Dispatcher, not per call, in one all-gather: every option that changes what
+        # crosses the wire or which collectives a rank enters must be the same on every rank, or
+        # the per-call exchanges would have mismatched sizes or meanings (a hang, a gloo abort or
+        # silently wrong numbers, not an error). A rank with an invalid tensor scale joins the
+        # gather too (-2), so that every rank raises. Not compared: bf16_below_bytes (the ranks
+        # agree on the wire format per call, in the counts exchange: it may differ by rank) and
+        # always_communicate (it only matters at group size 1, where there is no peer).
+        every = self._gather_ints(self._agreed_options(scale_bits))
         if scale_error is not None:
             raise scale_error
         invalid = [r for r, v in enumerate(every) if v[3] == -2]
         if invalid:
             raise ValueError(f"fp8a2a: ranks {invalid} were given an invalid tensor_scale (their error says why)")
-        if any(v != every[0] for v in every):
-            raise ValueError(f"fp8a2a: ranks disagree on (num_experts, granularity code, expert_tp_size, "
-                             f"tensor_scale as float32 bits, -1: none): {every}")
+        differ = [f"{name} (per rank: {[show(v[i]) for v in every]})"
+                  for i, (name, show) in enumerate(_AGREED_OPTIONS) if len({v[i] for v in every}) > 1]
+        if differ:
+            raise ValueError(f"fp8a2a: ranks disagree on the Dispatcher option(s) {'; '.join(differ)}: every rank "
+                             f"of the group must build its Dispatcher with the same options")
+
+    def _agreed_options(self, scale_bits) -> List[int]:
+        """The options of _AGREED_OPTIONS as ints, in its order."""
+        cap = self.capacity_factor
+        # capacity_factor exactly, as float64 bits (a positive float's bits are >= 0; -1: off)
+        return [self.num_experts, int(self.code), self.tp, scale_bits, int(self.fp8_combine),
+                int(self.fp8_dispatch_backward), -1 if cap is None else _float64_bits(cap)]
 
     def _gather_ints(self, values: List[int]) -> List[List[int]]:
         """Every rank's `values` (one all-gather, one host read): for once-per-setup agreement checks."""
@@ -283,22 +322,35 @@ class Dispatcher:
         return DispatchOutput(tokens, tpe, weights, handle)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, apply_weights: bool = True) -> torch.Tensor:
-        """y [T, H] in x.dtype: sum over k of weight * expert row (apply_weights=False: unweighted)."""
-        if not isinstance(expert_out, torch.Tensor):
-            raise TypeError(f"fp8a2a: combine expects expert_out as a torch.Tensor (dequantize a QuantizedTensor "
-                            f"first), got {type(expert_out).__name__}")
-        if expert_out.dim() != 2 or expert_out.shape != (handle.num_rows, handle.hidden):
-            raise ValueError(f"fp8a2a: expert_out must be [{handle.num_rows}, {handle.hidden}] (the dispatched rows), "
-                             f"got {tuple(expert_out.shape)}")
+        """y [T, H] in x.dtype: sum over k of weight * expert row (apply_weights=False: unweighted).
+
+        A rank whose expert_out is rejected still takes part in the exchange (rows of 0xFF bytes, so
+        the peers' y is NaN in every token this rank served; they cannot raise without a host sync)
+        and then raises."""
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"fp8a2a: combine expects the DispatchHandle of a dispatch, got {type(handle).__name__}")
+        error = _combine_input_error(expert_out, handle)
+        if error is not None:
+            handle.dispatcher._poison_combine(handle)
+            raise error
         weights = handle.weights if apply_weights else None
         return _CombineFn.apply(expert_out.to(handle.dtype), weights, handle)
 
     # ---- pieces used by the autograd functions ---------------------------------------------
 
     def _check_inputs(self, x, topk_idx, topk_weights):
+        # attribute reads only (no tensor op, no sync): this runs on every call
         for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"fp8a2a: dispatch expects {name} as a torch.Tensor, got {type(t).__name__}")
+        device = x.device
+        if topk_idx.device != device or topk_weights.device != device:
+            raise ValueError(f"fp8a2a: dispatch needs x, topk_idx and topk_weights on one device, got {device}, "
+                             f"{topk_idx.device} and {topk_weights.device}")
+        _check_device(x, self._needs_cuda, "dispatch")
+        if topk_idx.dtype not in _IDX_DTYPES or not topk_weights.is_floating_point():
+            raise ValueError(f"fp8a2a: topk_idx must be int64 or int32 and topk_weights floating-point, got "
+                             f"{topk_idx.dtype} and {topk_weights.dtype}")
         if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"fp8a2a: expected x [T, H] and topk_idx [T, K], got {tuple(x.shape)} and "
                              f"{tuple(topk_idx.shape)}")
@@ -331,6 +383,21 @@ class Dispatcher:
         except Exception:  # e.g. the peers are gone: the input error is the one the caller must see
             pass
 
+    def _poison_combine(self, handle):
+        """This rank rejected its combine input. Its peers are already on their way into the combine
+        exchange and read nothing on the host there, so they cannot be told to raise: send them rows
+        of the exchange's exact sizes whose bytes are all 0xFF (NaN in a BF16/FP16/FP32 payload, and
+        in an e4m3 payload with its f32 scale), which their combine_unpack sums into the tokens this
+        rank served: NaN, never finite wrong values."""
+        if self.local:
+            return
+        try:
+            row = ops.combine_row_bytes(handle.hidden, handle.dtype, self.fp8_combine, 0)
+            buf = torch.full((sum(handle.recv_splits), row), 0xFF, dtype=torch.uint8, device=handle.send_pos.device)
+            self._exchange(buf, handle.recv_splits, handle.send_splits)
+        except Exception:  # e.g. the peers are gone: the input error is the one the caller must see
+            pass
+
     def _replicate_over_tp(self, topk_idx, topk_weights):
         """Expert TP as routing: expert e becomes one virtual expert on each TP rank of its EP rank,
         so the ops see tp * E experts over the whole TP-EP group and need nothing special.
@@ -345,21 +412,25 @@ class Dispatcher:
         return idx, topk_weights.unsqueeze(-1).expand(*topk_weights.shape, tp).flatten(1)
 
     def _tensor_scale(self, x):
+        """(the dequant scale s, what dispatch_pack takes: s for a given scale, whose multiplier is
+        1 / s; [s, 448 / amax] for one from the amax: the scale rule, so the bytes equal row
+        granularity's for the same amax)."""
         if self.tensor_scale is not None:
-            return self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+            scale = self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+            return scale, scale
         amax = tensor_amax(x)
         if self.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
             # NaN as inf: a MAX all-reduce may drop NaN (gloo, by rank order); inf poisons every rank alike
             amax = torch.nan_to_num(amax, nan=math.inf, posinf=math.inf)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        return scale_of_amax(amax)
+        q, s = scale_rule(amax)
+        sq = torch.stack((s, q))
+        return sq[0], sq
 
     def _pack(self, x, route: _Route, wire, tensor_scale=None):
-        xin = x.detach().contiguous()
-        if wire == Granularity.RAW:
-            xin = xin.view(torch.uint8)
-        return ops.dispatch_pack(xin, route.topk_idx, route.topk_weights, self.num_experts * self.tp, self.world,
-                                 wire, tensor_scale, route.rank_capacity)
+        # raw: the op sends x's own bytes and writes its dtype in the header, as for every wire
+        return ops.dispatch_pack(x.detach().contiguous(), route.topk_idx, route.topk_weights,
+                                 self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
 
     def _unpack(self, recv, handle, wire):
         """dispatch_unpack; a raw (unquantized) wire's rows come back viewed as [N, hidden] handle.dtype."""
@@ -375,9 +446,9 @@ class Dispatcher:
         capacity = route.expert_capacity > 0
         # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
         local = Granularity.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
-        scale = self._tensor_scale(x) if self.code == Granularity.TENSOR else None
+        scale, packed_scale = self._tensor_scale(x) if self.code == Granularity.TENSOR else (None, None)
         try:
-            send, counts, send_pos = self._pack(x, route, local, scale)
+            send, counts, send_pos = self._pack(x, route, local, packed_scale)
         except Exception:
             self._fail_peers()
             raise
@@ -391,7 +462,7 @@ class Dispatcher:
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
-            send, counts, send_pos = self._pack(x, route, wire, scale)
+            send, counts, send_pos = self._pack(x, route, wire, packed_scale)
         handle = DispatchHandle(wire=wire, send_pos=send_pos, send_counts_host=mine, recv_counts_host=theirs, **layout)
         recv = self._exchange(send, handle.send_splits, handle.recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire)
@@ -402,7 +473,8 @@ class Dispatcher:
         recv_counts = layout["recv_counts"]
         key = (tuple(x.shape), route.topk_idx.shape[1], x.dtype)
         if key not in self._validated_shapes:  # once per new shape: the checks the sync would do
-            self._agree_on_wire(recv_counts.cpu().tolist(), x.shape[1], x.element_size())
+            # out-of-range ids are counted (handle.invalid_ids), on this call as on every later one
+            self._agree_on_wire(recv_counts.cpu().tolist(), x.shape[1], x.element_size(), raise_on_bad_ids=False)
             if self.world > 1:  # static splits need the same tokens per rank everywhere
                 tokens = [v[0] for v in self._gather_ints([x.shape[0]])]
                 if len(set(tokens)) != 1:
@@ -415,27 +487,64 @@ class Dispatcher:
         padded = torch.full_like(tpe, self.world * route.expert_capacity)
         return data, scale_rows, weights, padded, replace(handle, slot_pos=slot_pos, tokens_received=tpe)
 
-    def _agree_on_wire(self, headers, hidden, elem):
+    def _agree_on_wire(self, headers, hidden, elem, raise_on_bad_ids=True):
         """Check every rank's header (rows of the counts exchange, as lists: all ranks see all
         headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
-        (the size policy is local)."""
+        (the size policy is local). Out-of-range expert ids raise unless not `raise_on_bad_ids`
+        (capacity mode, which counts them)."""
         failed = [r for r, row in enumerate(headers) if row[CountsCol.BAD_IDS] < 0]  # REJECTED
         if failed:
             raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
                                f"this rank raises too instead of waiting for them")
         bad = [row[CountsCol.BAD_IDS] for row in headers]
-        if any(bad):
+        if raise_on_bad_ids and any(bad):
             raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "
                              f"{[r for r, b in enumerate(bad) if b]} ({bad} ids)")
         topks = [row[CountsCol.TOPK] for row in headers]
         if len(set(topks)) != 1:
             raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
+        dtypes = [row[CountsCol.DTYPE] for row in headers]
+        if len(set(dtypes)) != 1:  # combine's rows carry x's dtype: they would differ in size or meaning
+            raise ValueError(f"fp8a2a: ranks dispatch x of different dtypes: {[ACT_DTYPES.get(d, d) for d in dtypes]}")
         wires = [row[CountsCol.WIRE] for row in headers]
         sizes = [row[CountsCol.HIDDEN] // elem if w == Granularity.RAW else row[CountsCol.HIDDEN] for row, w in zip(headers, wires)]
         if any(s != hidden for s in sizes):
             raise ValueError(f"fp8a2a: ranks use different hidden sizes: {sizes} (this rank: {hidden})")
         raw = [w == Granularity.RAW for w in wires]
         return Granularity.RAW if all(raw) else self.code
+
+
+_IDX_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_device(t: torch.Tensor, needs_cuda: bool, op: str):
+    """A dispatch or combine input's device: never meta outside tracing (the fake kernels would hand
+    back uninitialised buffers), CUDA where the group's backend is NCCL. Attribute reads only (a
+    tensor's is_meta and is_cuda are cheaper than its device's type)."""
+    if t.is_meta and not _tracing():
+        raise ValueError(f"fp8a2a: {op} got meta tensors outside torch.compile tracing: there is no data to send")
+    if needs_cuda and not t.is_cuda:
+        raise ValueError(f"fp8a2a: {op} got tensors on {t.device}, but the process group's backend (NCCL) needs "
+                         f"CUDA tensors")
+
+
+_COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _combine_input_error(expert_out, handle: DispatchHandle) -> Optional[Exception]:
+    """Why combine must reject expert_out (None: it is fine). Attribute reads only: every call runs it."""
+    if not isinstance(expert_out, torch.Tensor):
+        return TypeError(f"fp8a2a: combine expects expert_out as a torch.Tensor (dequantize a QuantizedTensor "
+                         f"first), got {type(expert_out).__name__}")
+    if expert_out.dim() != 2 or expert_out.shape != (handle.num_rows, handle.hidden):
+        return ValueError(f"fp8a2a: expert_out must be [{handle.num_rows}, {handle.hidden}] (the dispatched rows), "
+                          f"got {tuple(expert_out.shape)}")
+    if expert_out.dtype not in _COMBINE_DTYPES:
+        return ValueError(f"fp8a2a: expert_out must be bfloat16, float16, float32 or float64, got {expert_out.dtype}")
+    device = handle.send_pos.device
+    if expert_out.device != device:
+        return ValueError(f"fp8a2a: expert_out is on {expert_out.device}, but the dispatch ran on {device}")
+    return None
 
 
 class _DispatchFn(torch.autograd.Function):

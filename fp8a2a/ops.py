@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - only without a build
 GRANULARITY = {g.label: int(g) for g in QUANTIZED}
 RAW = int(Granularity.RAW)
 BLOCK = 128
-HIDDEN, TOPK, BAD_IDS, WIRE, ROWS, COUNTS_HEADER = (int(c) for c in CountsCol)
+HIDDEN, TOPK, BAD_IDS, WIRE, DTYPE, ROWS, COUNTS_HEADER = (int(c) for c in CountsCol)
 FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
 
@@ -36,6 +36,15 @@ def combine_row_bytes(hidden: int, dtype: torch.dtype, quantized: bool, extra_k:
     return _ops.combine_row_bytes(hidden, dtype.itemsize, quantized, extra_k)
 
 
+def _same_device(name, first, *others):
+    """csrc/ops.h's check_same_device in the fakes: a meta tensor among real ones (e.g. meta topk_idx
+    with a CPU x) picks the fake kernel too, which would hand back uninitialised real buffers."""
+    for what, t in others:
+        if t is not None:
+            torch._check(t.device == first.device,
+                         lambda: f"fp8a2a: {name}: {what} is on {t.device} but the input is on {first.device}")
+
+
 def _scale_shape(rows, hidden, granularity):
     return {Granularity.ROW: (rows,), Granularity.BLOCK128: (rows, hidden // BLOCK), Granularity.TENSOR: (),
             Granularity.RAW: (0,)}[granularity]
@@ -47,26 +56,32 @@ def _(x, granularity, scale):
     torch._check(granularity in QUANTIZED, lambda: "fp8a2a: quantize takes granularity row, block128 or tensor")
     torch._check(granularity != Granularity.BLOCK128 or x.shape[1] % BLOCK == 0,
                  lambda: f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
+    _same_device("quantize", x, ("scale", scale))
     return x.new_empty(x.shape, dtype=FP8), x.new_empty(_scale_shape(x.shape[0], x.shape[1], granularity),
                                                         dtype=torch.float32)
 
 
 @torch.library.register_fake("fp8a2a::dequantize")
 def _(data, scale, dtype):
+    _same_device("dequantize", data, ("scale", scale))
     return data.new_empty(data.shape, dtype=dtype)
 
 
 @torch.library.register_fake("fp8a2a::dispatch_pack")
 def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale, rank_capacity=0):
+    _same_device("dispatch_pack", x, ("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                 ("tensor_scale", tensor_scale))
     t, k = topk_idx.shape
     rows = num_ranks * rank_capacity if rank_capacity else t * min(k, num_ranks)
-    return (x.new_empty((rows, dispatch_row_bytes(x.shape[1], granularity, k)), dtype=torch.uint8),
+    hidden = x.shape[1] * x.element_size() if granularity == Granularity.RAW else x.shape[1]  # raw: bytes
+    return (x.new_empty((rows, dispatch_row_bytes(hidden, granularity, k)), dtype=torch.uint8),
             x.new_empty((num_ranks, CountsCol.EXPERTS + num_experts // num_ranks), dtype=torch.int64),
             x.new_empty((t, num_ranks), dtype=torch.int32))
 
 
 @torch.library.register_fake("fp8a2a::dispatch_unpack")
 def _(recv, recv_counts, hidden, granularity, topk, num_rows, rank_capacity=0, expert_capacity=0):
+    _same_device("dispatch_unpack", recv, ("recv_counts", recv_counts))
     n, local = num_rows, recv_counts.shape[1] - CountsCol.EXPERTS
     scale_shape = (n,) if granularity == Granularity.TENSOR else _scale_shape(n, hidden, granularity)
     return (recv.new_empty((n, hidden), dtype=torch.uint8 if granularity == Granularity.RAW else FP8), recv.new_empty(scale_shape, dtype=torch.float32),
@@ -76,6 +91,7 @@ def _(recv, recv_counts, hidden, granularity, topk, num_rows, rank_capacity=0, e
 
 @torch.library.register_fake("fp8a2a::combine_pack")
 def _(expert_out, slot_pos, weights, extra, quantize):
+    _same_device("combine_pack", expert_out, ("slot_pos", slot_pos), ("weights", weights), ("extra", extra))
     extra_k = slot_pos.shape[1] if extra is not None else 0
     return expert_out.new_empty((slot_pos.shape[0], combine_row_bytes(expert_out.shape[1], expert_out.dtype,
                                                                        quantize, extra_k)), dtype=torch.uint8)
@@ -83,12 +99,14 @@ def _(expert_out, slot_pos, weights, extra, quantize):
 
 @torch.library.register_fake("fp8a2a::combine_unpack")
 def _(buf, send_pos, hidden, dtype, quantized, extra_k):
+    _same_device("combine_unpack", buf, ("send_pos", send_pos))
     t = send_pos.shape[0]
     return buf.new_empty((t, hidden), dtype=dtype), buf.new_empty((t, extra_k), dtype=torch.float32)
 
 
 @torch.library.register_fake("fp8a2a::capacity_drop")
 def _(topk_idx, topk_weights, num_experts, capacity):
+    _same_device("capacity_drop", topk_idx, ("topk_weights", topk_weights))
     return torch.empty_like(topk_idx), topk_idx.new_empty((), dtype=torch.int64)
 
 

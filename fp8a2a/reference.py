@@ -14,16 +14,21 @@ def _div(a, b):
     return torch.div(torch.as_tensor(a, dtype=torch.float32, device=b.device).expand_as(b), b)
 
 
-def quantize_reference(x: torch.Tensor, granularity: str = "row", scale: torch.Tensor | None = None):
-    """(data e4m3, dequant scale) by the rule of csrc/fp8_common.h."""
+def quantize_reference(x: torch.Tensor, granularity: str = "row", scale: torch.Tensor | None = None,
+                       amax: torch.Tensor | None = None):
+    """(data e4m3, dequant scale) by the rule of csrc/fp8_common.h. Tensor granularity: from a
+    given dequant `scale` the multiplier is 1 / scale; else from `amax` (default: x's own) by the
+    scale rule, 448 / amax, as row granularity's."""
     xf = x.float()
     t, h = xf.shape
     if granularity == "tensor":
-        if scale is None:
+        if scale is not None:
+            scale = scale.reshape(()).float()
+            return (xf * _div(1.0, scale)).to(FP8), scale
+        if amax is None:
             amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
-            scale = scale_rule(amax)[1]
-        scale = scale.reshape(()).float()
-        return (xf * _div(1.0, scale)).to(FP8), scale
+        q, scale = scale_rule(amax.reshape(()).float())
+        return (xf * q).to(FP8), scale
     blocks = xf.view(t, h // 128, 128) if granularity == "block128" else xf.view(t, 1, h)
     amax = blocks.abs().amax(dim=-1)  # propagates NaN
     q, s = scale_rule(amax)

@@ -39,8 +39,12 @@ class CountsCol(IntEnum):
     TOPK = 1
     BAD_IDS = 2  # expert ids out of range on the sender; REJECTED: the sender rejected its input
     WIRE = 3  # the Granularity the sender packed with
-    ROWS = 4  # rows sent to this destination
-    EXPERTS = 5
+    DTYPE = 4  # the sender's activation dtype (ACT_DTYPES: its code)
+    ROWS = 5  # rows sent to this destination
+    EXPERTS = 6
 
+
+# csrc/fp8_common.h's enum ActDtype: the DTYPE column's codes (0: a uint8 view of unknown dtype)
+ACT_DTYPES = {0: "bytes", 1: "float32", 2: "float16", 3: "bfloat16"}
 
 REJECTED = -1  # in the BAD_IDS column (a count is >= 0): the sender failed before packing

@@ -38,11 +38,10 @@ def quantized_view(xs, granularity, wire_raw):
     """What the experts see of each source rank's tokens."""
     if wire_raw:
         return [x.double() for x in xs]
-    scale = None
-    if granularity == "tensor":
+    amax = None
+    if granularity == "tensor":  # the amax of every rank's tokens (the Dispatcher's all-reduce)
         amax = max((x.float().abs().amax() for x in xs if x.numel()), default=torch.tensor(0.0))
-        scale = torch.div(amax, torch.tensor(448.0))
-    return [dequantize_reference(*quantize_reference(x, granularity, scale), torch.float64) for x in xs]
+    return [dequantize_reference(*quantize_reference(x, granularity, amax=amax), torch.float64) for x in xs]
 
 
 def rel(a, b):

@@ -505,7 +505,7 @@ def test_fp8_experts_unsupported_configs():
 
 def test_train_script_smoke():
     root = os.path.join(os.path.dirname(__file__), "..")
-    cmd = [sys.executable, os.path.join(root, "scripts", "train_moe_megatron.py"), "--device", "cpu", "--steps", "4",
+    cmd = [sys.executable, os.path.join(root, "examples", "train_moe_megatron.py"), "--device", "cpu", "--steps", "4",
            "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "64", "--seq-length", "32",
            "--micro-batch-size", "4", "--vocab-size", "128", "--fp8a2a-bf16-below-bytes", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -40,11 +40,12 @@ void quantize_row(const T* x, int64_t hidden, int64_t granularity, float tensor_
   }
 }
 
-// The tensor scale given by the caller is the dequant multiplier s; q = 1 / s (IEEE division).
+// (q, s) of a tensor scale: [s, q] as given, or s alone, q = 1 / s (IEEE division).
 std::pair<float, float> tensor_scales(int64_t granularity, const std::optional<Tensor>& scale) {
   if (granularity != kTensor) return {0.0f, 0.0f};
-  const float s = scale->to(at::kCPU).item<float>();
-  return {1.0f / s, s};
+  const Tensor sq = scale->to(at::kCPU).reshape({-1});
+  const float s = sq[0].item<float>();
+  return {sq.numel() == 2 ? sq[1].item<float>() : 1.0f / s, s};
 }
 
 template <typename T>
@@ -65,19 +66,23 @@ std::tuple<Tensor, Tensor> quantize_cpu(const Tensor& x, int64_t granularity, co
   check_granularity(granularity, H);
   TORCH_CHECK(granularity != kRaw, "fp8a2a: quantize takes granularity row, block128 or tensor");
   std::optional<Tensor> s = scale;
+  float tq = 0.0f, ts = 0.0f;
   if (granularity == kTensor) {
-    if (!s.has_value()) {  // one scale for the tensor from its own amax
+    if (!s.has_value()) {  // one scale for the tensor from its own amax, by the scale rule (as row's)
       float m = 0.0f;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fp8a2a_amax",
                                       [&] { m = amax_of(x.data_ptr<scalar_t>(), x.numel()); });
-      s = at::full({}, dequant_scale(m), x.options().dtype(at::kFloat));
+      tq = quant_multiplier(m);
+      ts = dequant_scale(m);
+      s = at::full({}, ts, x.options().dtype(at::kFloat));
+    } else {
+      check_tensor_scale(s, x);
+      std::tie(tq, ts) = tensor_scales(granularity, s);
     }
-    check_tensor_scale(s, x);
   }
   auto data = at::empty({T, H}, x.options().dtype(at::kFloat8_e4m3fn));
   auto scales = granularity == kTensor ? s->reshape({}).clone()
                                        : at::empty(scale_shape(T, H, granularity), x.options().dtype(at::kFloat));
-  const auto [tq, ts] = tensor_scales(granularity, s);
   const int64_t ns = granularity == kBlock128 ? H / kBlock : (granularity == kRow ? 1 : 0);
   std::vector<float> dummy(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fp8a2a_quantize", [&] {
@@ -109,13 +114,15 @@ Tensor dequantize_cpu(const Tensor& data, const Tensor& scale, at::ScalarType dt
   return out;
 }
 
-std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
+  const int64_t dtype = act_dtype_code(x_in);
+  const Tensor x = pack_input(x_in, granularity);
   check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
   check_granularity(granularity, H);
-  if (granularity == kTensor) check_tensor_scale(tensor_scale, x);
+  if (granularity == kTensor) check_tensor_scale(tensor_scale, x, /*with_multiplier=*/true);
   const DispatchRow L(H, granularity, K);
   const auto idx = topk_idx.to(at::kLong);
   const int64_t* ip = idx.data_ptr<int64_t>();
@@ -147,6 +154,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tens
     row[kColTopk] = K;
     row[kColBadIds] = bad;
     row[kColWire] = granularity;
+    row[kColDtype] = dtype;
     // Capacity mode: fixed segments of rank_capacity rows (static all_to_all splits).
     TORCH_CHECK(rank_capacity == 0 || row[kColRows] <= rank_capacity, "fp8a2a: ", row[kColRows],
                 " rows for rank ", r, " exceed its capacity of ", rank_capacity, " (drop to capacity first)");

@@ -49,11 +49,13 @@ struct DispatchShape {
   int* chunk_off;   // [nchunks, cols]: exclusive prefix of the chunk totals over chunks (scan kernel)
   int* rank_off;    // [R]: first send row of each rank
   int64_t* counts;  // [R, kColExperts + El]
+  int dtype;        // the activation's ActDtype (kColDtype); last: the fields above keep their offsets
 };
 
 // counts[r, c] of a header column c < kColRows (the same for every destination rank r)
-__device__ __forceinline__ int64_t count_header(int c, int64_t H, int64_t K, int64_t bad_ids, int64_t gran) {
-  return c == kColHidden ? H : c == kColTopk ? K : c == kColBadIds ? bad_ids : gran;
+__device__ __forceinline__ int64_t count_header(int c, int64_t H, int64_t K, int64_t bad_ids, int64_t gran,
+                                                int64_t dtype) {
+  return c == kColHidden ? H : c == kColTopk ? K : c == kColBadIds ? bad_ids : c == kColWire ? gran : dtype;
 }
 
 // ---- layout host side (dispatch_layout.cu) ----

@@ -14,13 +14,20 @@ namespace {
 struct PackParams : DispatchShape {
   const void* x;
   const float* w;
-  const float* tscale;
+  const float* tscale;  // tensor: [s] or [s, q] (tscale_q)
   uint8_t* send;
   int* send_pos;
   int64_t T;
-  bool vec;      // raw: 16-byte copies
+  bool vec;       // raw: 16-byte copies
+  bool tscale_q;  // tensor: tscale[1] is the quant multiplier (else 1 / s); in vec's padding
   int self_off;  // self routing: byte offset of its shared memory area (counts: written here)
 };
+
+// Tensor granularity's quant multiplier: the given one (from the amax, by the scale rule), else
+// 1 / s (IEEE division), as ops_cpu.cpp's tensor_scales().
+__device__ __forceinline__ float tensor_multiplier(const PackParams& p, float s) {
+  return p.tscale_q ? __ldg(p.tscale + 1) : 1.0f / s;
+}
 
 struct RouteSmem {
   int* rank;   // [K] destination rank of slot k, -1 if not routed
@@ -155,7 +162,8 @@ __device__ void self_routing(const PackParams& p, int64_t t, const RouteSmem& s,
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int r = static_cast<int>(i / C), c = static_cast<int>(i - static_cast<int64_t>(r) * C);
     p.counts[i] = c == kColRows ? rows[r] : c >= kColExperts ? hist[r * El + (c - kColExperts)]
-                                                             : count_header(c, p.wire.hidden, K, *bad, p.wire.gran);
+                                                             : count_header(c, p.wire.hidden, K, *bad, p.wire.gran,
+                                                                            p.dtype);
   }
 }
 
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
   } else {
     if (p.wire.gran == kTensor) {
       row_scale = __ldg(p.tscale);
-      const float tq = 1.0f / row_scale;  // IEEE division, as ops_cpu.cpp
+      const float tq = tensor_multiplier(p, row_scale);
 #pragma unroll
       for (int j = 0; j < UPT; ++j) q[j] = tq;
     } else {
@@ -326,7 +334,7 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
   float q = 0.0f, row_scale = 0.0f;
   if (p.wire.gran == kTensor) {
     row_scale = __ldg(p.tscale);
-    q = 1.0f / row_scale;
+    q = tensor_multiplier(p, row_scale);
   } else if (p.wire.gran == kRow) {
     rm = 0.0f;
     for (int i = 0; i < nwarps; ++i) rm = amax_step(rm, s.red[i]);
@@ -385,13 +393,15 @@ __global__ void __launch_bounds__(512) dispatch_pack_raw_kernel(PackParams p) {
 
 }  // namespace
 
-std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
                                                       int64_t num_experts, int64_t num_ranks, int64_t granularity,
                                                       const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
+  const int64_t dtype = act_dtype_code(x_in);
+  const Tensor x = pack_input(x_in, granularity);
   check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
   check_granularity(granularity, H);
-  if (granularity == kTensor) check_tensor_scale(tensor_scale, x);
+  if (granularity == kTensor) check_tensor_scale(tensor_scale, x, /*with_multiplier=*/true);
   TORCH_CHECK(rank_capacity >= 0, "fp8a2a: rank_capacity must be >= 0, got ", rank_capacity);
   const DispatchRow L(H, granularity, K);
   const int64_t TK = T * K;
@@ -423,6 +433,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   shape.idx = topk_idx.data_ptr();
   shape.wire = DispatchWire(L, granularity);
   shape.cap = rank_capacity;
+  shape.dtype = dtype;
   shape.K = static_cast<int>(K);
   shape.E = static_cast<int>(num_experts);
   shape.El = static_cast<int>(El);
@@ -440,6 +451,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Ten
   p.x = x.data_ptr();
   p.w = topk_weights.data_ptr<float>();
   p.tscale = granularity == kTensor ? tensor_scale->data_ptr<float>() : nullptr;
+  p.tscale_q = granularity == kTensor && tensor_scale->numel() == 2;
   p.send = send.data_ptr<uint8_t>();
   p.send_pos = send_pos.data_ptr<int>();
   p.T = T;

@@ -63,12 +63,14 @@ __global__ void tensor_amax_kernel(const T* x, int64_t numel, float* partials) {
 }
 
 __device__ __forceinline__ void tensor_qs(const QuantParams& p, float* s_red, float& q, float& s) {
-  if (p.partials != nullptr) {
-    s = scale_of(reduce_partials(p.partials, p.num_partials, s_red));
-  } else {
+  if (p.partials != nullptr) {  // from the amax: the scale rule, as row granularity (and ops_cpu.cpp)
+    const float m = reduce_partials(p.partials, p.num_partials, s_red);
+    s = scale_of(m);
+    q = quant_multiplier(m);
+  } else {  // a given dequant scale: q = 1 / s (IEEE division), as ops_cpu.cpp's tensor_scales()
     s = __ldg(p.tscale);
+    q = 1.0f / s;
   }
-  q = 1.0f / s;  // IEEE division, as ops_cpu.cpp's tensor_scales()
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.scale_out = s;
 }
 

@@ -11,6 +11,7 @@ import zlib
 import torch
 
 from fp8a2a import ops
+from fp8a2a.quant import scale_rule
 
 ROWS, HEADER = ops.ROWS, ops.COUNTS_HEADER
 RAW = ops.RAW
@@ -254,9 +255,10 @@ def dispatch_case(g, t, h, k, r, e, dtype, gran, idx_dtype=torch.int64, bad=Fals
         x = make_x(t, h, dtype, g)
         idx, w = make_routing(t, k, e, g, bad=bad, dup=dup, idx_dtype=idx_dtype)
         ts = None
-        if gran == 2:
-            ts = torch.tensor([0.5, 0.01, 2.0][s % 3])
-        if gran == RAW:
+        if gran == 2:  # a given scale (multiplier 1 / s), or [s, 448 / amax] as the Dispatcher passes
+            amax = x.float().abs().amax() if x.numel() else torch.zeros(())
+            ts = torch.stack(scale_rule(amax)[::-1]) if s % 3 == 2 else torch.tensor([0.5, 0.01][s % 3])
+        if gran == RAW and s != 1:  # source 1 passes x itself (the op views it as bytes)
             x = x.view(torch.uint8).view(t, hidden) if t else torch.zeros(0, hidden, dtype=torch.uint8)
         cap = 0
         if capacity:

@@ -96,3 +96,21 @@ def test_default_mode_syncs_once_per_dispatch():
         syncs = [c for c in caught if "synchroniz" in str(c.message)]
     torch.cuda.set_sync_debug_mode("default")
     assert len(syncs) == 1, [str(c.message) for c in syncs]
+
+
+def test_inputs_on_the_wrong_device_raise_before_any_collective(nccl_world_of_one):
+    """Issue 19: a CPU tensor handed to a Dispatcher on an NCCL group raises (NCCL moves CUDA tensors
+    only), as does a mix of devices, in dispatch and in combine; the Dispatcher then still works."""
+    d = fp8a2a.Dispatcher(8, always_communicate=True)
+    assert not d.local
+    xs, idxs, ws = make_inputs(1, 16, 64, 8, 2, torch.bfloat16)
+    x, idx, w = xs[0].cuda(), idxs[0].cuda(), ws[0].cuda()
+    with pytest.raises(ValueError, match=r"\(NCCL\) needs CUDA tensors"):
+        d.dispatch(xs[0], idxs[0], ws[0])
+    with pytest.raises(ValueError, match="one device"):
+        d.dispatch(x, idxs[0], w)
+    out = d.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="expert_out is on cpu"):
+        d.combine(out.dequantized().cpu(), out.handle)
+    y = d.combine(out.dequantized(), out.handle)
+    assert y.is_cuda and torch.isfinite(y.float()).all()

@@ -1,0 +1,300 @@
+"""Inputs that differ on one rank (issue 19): exactly one rank of two is bad, and every rank must
+raise (or, in combine, see NaN where the bad rank's rows land), never hang. Every multi-rank case
+runs under run_ranks' hard timeout (a hang fails the test) and ends with a good dispatch + combine
+on the same Dispatcher, which must work on every rank."""
+import pytest
+import torch
+
+import fp8a2a
+from fp8a2a import ops
+
+from .distributed import run_ranks
+from .test_dispatch import make_inputs
+
+E, H, K, T = 8, 64, 2, 8
+TIMEOUT = 120
+
+
+def _good_step(rank, world, d, dtype=torch.bfloat16, tokens=T):
+    """A good dispatch + combine (+ backward) on `d`; returns y."""
+    xs, idxs, ws = make_inputs(world, tokens, H, E, K, dtype, seed=7)
+    x = xs[rank].clone().requires_grad_()
+    out = d.dispatch(x, idxs[rank], ws[rank])
+    y = d.combine(out.dequantized(dtype) * 2, out.handle)
+    y.float().sum().backward()
+    assert torch.isfinite(y.float()).all() and torch.isfinite(x.grad.float()).all()
+    return y
+
+
+def _raises_then_recovers(bad_call, good_dispatcher):
+    """fn(rank, world) for run_ranks: bad_call(rank, world) must raise on every rank; then a good
+    step on good_dispatcher(rank, world) must work. Returns every rank's message."""
+    def fn(rank, world):
+        try:
+            bad_call(rank, world)
+        except (ValueError, RuntimeError, TypeError) as e:
+            msg = str(e)
+        else:
+            msg = None
+        _good_step(rank, world, good_dispatcher(rank, world))
+        return msg
+    msgs = run_ranks(2, fn, timeout=TIMEOUT)
+    assert all(m is not None for m in msgs), msgs
+    return msgs
+
+
+# ---- Dispatcher options ------------------------------------------------------------------------
+
+OPTIONS = {  # option -> (rank 0's value, rank 1's value)
+    "fp8_combine": (False, True),
+    "fp8_dispatch_backward": (False, True),
+    "capacity_factor": (2.0, 2.0000000000000004),  # one float64 ulp: compared exactly
+    "capacity_factor_off": (None, 2.0),
+    "granularity": ("row", "block128"),
+    "expert_tp_size": (1, 2),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_option_set_differently_on_one_rank_raises_naming_it(option):
+    name = option.replace("_off", "")
+
+    def bad(rank, world):
+        fp8a2a.Dispatcher(E, **{name: OPTIONS[option][rank]})
+
+    msgs = _raises_then_recovers(bad, lambda rank, world: fp8a2a.Dispatcher(E))
+    assert all(f"disagree on the Dispatcher option(s) {name} (per rank:" in m for m in msgs), msgs
+
+
+def test_several_options_differ_all_are_named():
+    def bad(rank, world):
+        fp8a2a.Dispatcher(E if rank == 0 else 2 * E, fp8_combine=bool(rank))
+
+    msgs = _raises_then_recovers(bad, lambda rank, world: fp8a2a.Dispatcher(E))
+    assert all("num_experts (per rank: [8, 16])" in m and "fp8_combine (per rank: [False, True])" in m
+               for m in msgs), msgs
+
+
+def test_options_that_may_differ():
+    # bf16_below_bytes is agreed per call (FP8 wins); always_communicate only matters at group size 1
+    def fn(rank, world):
+        d = fp8a2a.Dispatcher(E, bf16_below_bytes=0 if rank == 0 else 1 << 30, always_communicate=bool(rank))
+        _good_step(rank, world, d)
+    run_ranks(2, fn, timeout=TIMEOUT)
+
+
+# ---- dispatch inputs: device, dtype ------------------------------------------------------------
+
+DISPATCH_BAD = ["x_meta", "idx_meta", "weights_meta", "all_meta", "cpu_on_nccl", "idx_float", "weights_int"]
+
+
+def _bad_dispatch_input(case, x, idx, w):
+    if case == "x_meta":
+        return x.to("meta"), idx, w
+    if case == "idx_meta":
+        return x, idx.to("meta"), w
+    if case == "weights_meta":
+        return x, idx, w.to("meta")
+    if case == "all_meta":
+        return x.to("meta"), idx.to("meta"), w.to("meta")
+    if case == "idx_float":
+        return x, idx.float(), w
+    if case == "weights_int":
+        return x, idx, (w * 10).int()
+    return x, idx, w
+
+
+@pytest.mark.parametrize("mode", ["default", "tensor", "capacity"])
+@pytest.mark.parametrize("case", DISPATCH_BAD)
+def test_dispatch_input_rejected_on_one_rank_raises_on_every_rank(case, mode):
+    opts = {"default": {}, "tensor": dict(granularity="tensor"), "capacity": dict(capacity_factor=2.0)}[mode]
+    made = {}
+
+    def dispatcher(rank, world):
+        if "d" not in made:
+            made["d"] = fp8a2a.Dispatcher(E, bf16_below_bytes=0, **opts)
+        return made["d"]
+
+    def bad(rank, world):
+        d = dispatcher(rank, world)
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.bfloat16)
+        x, idx, w = xs[rank], idxs[rank], ws[rank]
+        if rank == 1:
+            x, idx, w = _bad_dispatch_input(case, x, idx, w)
+            if case == "cpu_on_nccl":  # what a Dispatcher on an NCCL group requires (CPU here: gloo)
+                d._needs_cuda = True
+        try:
+            d.dispatch(x, idx, w)
+        finally:
+            d._needs_cuda = False
+
+    # the bad call is the first of its shape on this Dispatcher (capacity mode reads the header then)
+    msgs = _raises_then_recovers(bad, dispatcher)
+    assert "ranks [1] rejected their dispatch input" in msgs[0], msgs
+    cause = {"idx_float": "topk_idx must be int64 or int32", "weights_int": "topk_weights floating-point",
+             "cpu_on_nccl": "(NCCL) needs CUDA tensors", "all_meta": "meta tensors outside"}.get(case, "one device")
+    assert cause in msgs[1], msgs
+
+
+@pytest.mark.parametrize("which", ["x", "topk_idx", "topk_weights"])
+def test_meta_inputs_never_reach_a_kernel(which):
+    x, idx, w = torch.randn(T, H), torch.randint(0, E, (T, K)), torch.rand(T, K)
+    args = {"x": x, "topk_idx": idx, "topk_weights": w}
+    args[which] = args[which].to("meta")
+    d = fp8a2a.Dispatcher(E)
+    with pytest.raises(ValueError, match="one device"):
+        d.dispatch(*args.values())
+    with pytest.raises(ValueError, match="meta tensors outside"):
+        d.dispatch(x.to("meta"), idx.to("meta"), w.to("meta"))
+    # the ops themselves: a meta tensor among CPU ones picks the fake kernel, which must refuse
+    with pytest.raises(RuntimeError, match="is on"):
+        ops.dispatch_pack(args["x"], args["topk_idx"].int(), args["topk_weights"], E, 1, 0, None)
+    out = d.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="expert_out is on meta"):
+        d.combine(out.dequantized().to("meta"), out.handle)
+    d.combine(out.dequantized(), out.handle)
+
+
+# ---- combine inputs ----------------------------------------------------------------------------
+
+COMBINE_BAD = ["shape", "dtype_int", "dtype_fp8", "meta", "quantized"]
+
+
+def _bad_expert_out(case, rows):
+    if case == "shape":
+        return rows[:, : H // 2]
+    if case == "dtype_int":
+        return rows.int()
+    if case == "dtype_fp8":
+        return rows.to(torch.float8_e4m3fn)
+    if case == "meta":
+        return rows.to("meta")
+    return fp8a2a.quantize(rows.float())
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8_combine", "capacity", "float32"])
+@pytest.mark.parametrize("case", COMBINE_BAD)
+def test_combine_input_rejected_on_one_rank_poisons_its_tokens_on_every_peer(case, mode):
+    """No collective and no host sync can be added to combine, so the peers cannot raise: the bad
+    rank sends rows of 0xFF bytes and raises; each peer's y is NaN in exactly the tokens routed to an
+    expert of the bad rank, and finite elsewhere."""
+    opts = {"bf16": {}, "fp8_combine": dict(fp8_combine=True), "capacity": dict(capacity_factor=4.0),
+            "float32": {}}[mode]
+    dtype = torch.float32 if mode == "float32" else torch.bfloat16
+
+    def fn(rank, world):
+        d = fp8a2a.Dispatcher(E, bf16_below_bytes=0, **opts)
+        xs, idxs, ws = make_inputs(world, 16, H, E, K, dtype)
+        out = d.dispatch(xs[rank], idxs[rank], ws[rank])
+        rows = out.dequantized(dtype)
+        msg = None
+        try:
+            y = d.combine(_bad_expert_out(case, rows) if rank == 1 else rows, out.handle)
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+        if rank == 0:
+            served = ((idxs[0] >= E // world) & (idxs[0] < E)).any(1)  # tokens routed to rank 1's experts
+            assert served.any() and not served.all()
+            assert y[served].isnan().all(), y
+            assert torch.isfinite(y[~served].float()).all()
+        _good_step(rank, world, d, dtype)
+        return msg
+
+    msgs = run_ranks(2, fn, timeout=TIMEOUT)
+    assert msgs[0] is None and "expert_out" in msgs[1], msgs
+
+
+def test_combine_rejects_bad_input_at_world_size_one():
+    d = fp8a2a.Dispatcher(E)
+    out = d.dispatch(torch.randn(T, H), torch.randint(0, E, (T, K)), torch.rand(T, K))
+    rows = out.dequantized()
+    for case in COMBINE_BAD:
+        with pytest.raises((ValueError, TypeError), match="expert_out"):
+            d.combine(_bad_expert_out(case, rows), out.handle)
+    with pytest.raises(TypeError, match="DispatchHandle"):
+        d.combine(rows, None)
+    assert torch.isfinite(d.combine(rows.double(), out.handle)).all()  # float64 is converted
+
+
+# ---- capacity mode: out-of-range ids are counted, never raised ---------------------------------
+
+def test_capacity_mode_counts_out_of_range_ids_on_every_call():
+    def fn(rank, world):
+        d = fp8a2a.Dispatcher(E, capacity_factor=2.0)
+        seen = []
+        for call in range(3):  # the first call of the shape too
+            xs, idxs, ws = make_inputs(world, T, H, E, K, torch.bfloat16, seed=call)
+            if rank == 1 and call != 1:
+                idxs[1][0, 0], idxs[1][3, 1] = E, -7  # out of range on one rank
+            out = d.dispatch(xs[rank], idxs[rank], ws[rank])
+            d.combine(out.dequantized(), out.handle)
+            seen.append(int(out.handle.invalid_ids))
+        return seen
+    assert run_ranks(2, fn, timeout=TIMEOUT) == [[0, 0, 0], [2, 0, 2]]
+
+
+def test_capacity_mode_counts_out_of_range_ids_at_world_size_one():
+    d = fp8a2a.Dispatcher(E, capacity_factor=1.0)
+    idx = torch.randint(0, E, (T, K))
+    idx[2, 0] = E + 3
+    out = d.dispatch(torch.randn(T, H), idx, torch.rand(T, K))
+    assert int(out.handle.invalid_ids) == 1
+    with pytest.raises(ValueError, match="expert ids outside"):  # the default mode still raises
+        fp8a2a.Dispatcher(E).dispatch(torch.randn(T, H), idx, torch.rand(T, K))
+
+
+# ---- x dtype differing across ranks (the counts header's DTYPE column) ---------------------------
+
+@pytest.mark.parametrize("wire", ["fp8", "raw", "mixed", "capacity"])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16)])
+def test_x_dtype_differing_on_one_rank_raises_on_every_rank(dtypes, wire):
+    opts = dict(capacity_factor=2.0) if wire == "capacity" else {}
+    made = {}
+
+    def dispatcher(rank, world):
+        if "d" not in made:
+            below = {"fp8": 0, "raw": 1 << 30, "mixed": [0, 1 << 30][rank], "capacity": 0}[wire]
+            made["d"] = fp8a2a.Dispatcher(E, bf16_below_bytes=below, **opts)
+        return made["d"]
+
+    def bad(rank, world):
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32)
+        dispatcher(rank, world).dispatch(xs[rank].to(dtypes[rank]), idxs[rank], ws[rank])
+
+    msgs = _raises_then_recovers(bad, dispatcher)
+    want = f"ranks dispatch x of different dtypes: ['{str(dtypes[0])[6:]}', '{str(dtypes[1])[6:]}']"
+    assert all(want in m for m in msgs), msgs
+
+
+# ---- tensor granularity: the documented rule --------------------------------------------------
+
+def _near_rounding_ties(amax: float) -> torch.Tensor:
+    """[rows, 256] float32 whose every row has amax `amax` and whose values, times 448 / amax, lie
+    within a few ulps of e4m3's rounding midpoints: a one-ulp change of the multiplier moves bytes."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    base = torch.div((codes[:-1] + codes[1:]) / 2, torch.div(torch.tensor(448.0), torch.tensor(amax)))
+    x = torch.cat([base * (1 + k * 1e-7) for k in range(-20, 21)])
+    x = torch.cat([x, -x, torch.zeros((-2 * x.numel()) % 256)]).view(-1, 256)
+    x[:, 7] = amax
+    return x
+
+
+def test_tensor_granularity_bytes_equal_row_granularity_for_the_same_amax():
+    # every row's amax is the tensor's, so 'row' and 'tensor' must quantize alike: data = e4m3(x * (448 / amax))
+    for amax in (3.8469135761260986, 7.478944778442383, 3.0):
+        x = _near_rounding_ties(amax)
+        row, tensor = fp8a2a.quantize(x, "row"), fp8a2a.quantize(x, "tensor")
+        assert torch.equal(row.data.view(torch.uint8), tensor.data.view(torch.uint8)), amax
+        assert torch.equal(row.scale, tensor.scale.expand(x.shape[0]))
+        # the Dispatcher's tensor scale comes from the (all-reduced) amax too
+        idx, w = torch.arange(x.shape[0]).remainder(E).unsqueeze(1), torch.ones(x.shape[0], 1)
+        rows = [fp8a2a.Dispatcher(E, granularity=gr, bf16_below_bytes=0).dispatch(x, idx, w).tokens.data
+                for gr in ("row", "tensor")]
+        assert torch.equal(rows[0].view(torch.uint8), rows[1].view(torch.uint8)), amax
+        if amax != 3.0:  # where 1 / (amax / 448) != 448 / amax, the old multiplier moved bytes here
+            old = (x * torch.div(torch.ones(()), row.scale[0])).to(torch.float8_e4m3fn)
+            assert not torch.equal(old.view(torch.uint8), row.data.view(torch.uint8))
+    # a given tensor_scale has no amax: its multiplier is 1 / scale (IEEE division)
+    s = torch.tensor(0.37 / 448)
+    want = (x * torch.div(torch.ones(()), s)).to(torch.float8_e4m3fn)
+    assert torch.equal(fp8a2a.quantize(x, "tensor", s).data.view(torch.uint8), want.view(torch.uint8))
