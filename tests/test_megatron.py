@@ -117,6 +117,9 @@ CASES = {
 if HAVE_FP8_EXPERTS:
     CASES["fp8_experts"] = dict(fp8=True, tol=0.15, fp8_experts=True)
     CASES["fp8_experts_raw_wire"] = dict(fp8=False, tol=0.15, fp8_experts=True)
+    CASES["fp8_experts_fp8_dgrad"] = dict(fp8=True, tol=0.15, fp8_experts=True, config=dict(fp8a2a_fp8_dgrad=True))
+    CASES["fp8_experts_fp8_dgrad_wgrad"] = dict(fp8=True, tol=0.15, fp8_experts=True,
+                                                config=dict(fp8a2a_fp8_dgrad=True, fp8a2a_fp8_wgrad=True))
 
 
 def layer_scenario(rank, world, case):
@@ -133,6 +136,10 @@ def layer_scenario(rank, world, case):
         torch.manual_seed(1)
         mine = build(moe_spec(c["experts"], c.get("fp8_experts", False)), cfg)
         assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher)
+        if c.get("fp8_experts", False):
+            impl = mine.experts._fp8a2a_impl
+            assert (impl.fp8_dgrad, impl.fp8_wgrad) == (over.get("fp8a2a_fp8_dgrad", False),
+                                                        over.get("fp8a2a_fp8_wgrad", False))
         assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL
         assert mine.token_dispatcher.deliver_fp8 == c.get("fp8_experts", False)
         assert list(mine.state_dict()) == list(ref.state_dict())  # same parameters, same checkpoint layout
@@ -349,6 +356,10 @@ def test_options_precedence():
             fm.resolve(argparse.Namespace(fp8a2a_granularity="col"))
         with pytest.raises(TypeError, match="unknown"):
             fm.register(granularty="row")
+        fm.register(fp8_dgrad=True)  # the FP8 experts' options follow the same precedence
+        assert (fm.resolve(None).fp8_dgrad, fm.resolve(None).fp8_wgrad) == (True, False)
+        assert not fm.resolve(argparse.Namespace(fp8a2a_fp8_dgrad=False)).fp8_dgrad
+        assert fm.resolve(argparse.Namespace(fp8a2a_fp8_wgrad=True)).fp8_wgrad
     finally:
         fm.options.reset_defaults()
     assert fm.resolve(None) == fm.Options()
@@ -361,11 +372,13 @@ def test_command_line_flags():
     assert fm.extra_args_provider(p) is p
     fm.add_arguments(p)  # idempotent
     a = p.parse_args(["--moe-token-dispatcher-type", "fp8_alltoall", "--fp8a2a-granularity", "block128",
-                      "--fp8a2a-fp8-combine", "--fp8a2a-bf16-below-bytes", "0"])
+                      "--fp8a2a-fp8-combine", "--fp8a2a-bf16-below-bytes", "0", "--fp8a2a-fp8-dgrad"])
     assert a.moe_token_dispatcher_type == "fp8_alltoall"
     opts = fm.resolve(a)
     assert (opts.granularity, opts.fp8_combine, opts.bf16_below_bytes, opts.capacity_mode) == \
         ("block128", True, 0, "auto")
+    assert (opts.fp8_dgrad, opts.fp8_wgrad) == (True, False)
+    assert fm.resolve(p.parse_args(["--fp8a2a-fp8-wgrad"])).fp8_wgrad
     defaults = p.parse_args([])
     assert fm.resolve(defaults) == fm.Options()
     with pytest.raises(SystemExit):
@@ -498,6 +511,49 @@ def _fp8_experts_errors(rank, world):
         ps.destroy_model_parallel()
 
 
+def _fp8_experts_cache(rank, world):
+    """FP8 experts over several micro-batches: the FP8 weights (and the BF16 stack of the BF16
+    dgrad) are made once, again after an optimizer step and after a weight write."""
+    import fp8a2a.experts as ex
+    init_parallel(world)
+    counts = {}
+    cached = ex._cached
+
+    def counting(weight, kind, build):
+        def counted(sources):
+            counts[kind] = counts.get(kind, 0) + 1
+            return build(sources)
+        return cached(weight, kind, counted)
+    ex._cached = counting
+    try:
+        torch.manual_seed(1)
+        layer = build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0))
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # fused: no version bumps
+        x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
+        once = {False: 2, "stack": 2}  # fc1 and fc2: FP8 forward weights, BF16 stack for the dgrad
+        seen = []
+        for step in range(2):
+            for _ in range(3):
+                layer(x.clone().requires_grad_())[0].sum().backward()
+            seen.append(dict(counts))
+            counts.clear()
+            if step == 0:
+                opt.step()
+        with torch.no_grad():
+            layer.experts.local_experts[3].linear_fc2.weight.add_(0.1)
+        layer(x.clone().requires_grad_())[0].sum().backward()
+        seen.append(dict(counts))
+        return seen == [once, once, {False: 1, "stack": 1}] or seen
+    finally:
+        ex._cached = cached
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+def test_fp8_experts_weights_made_once_per_optimizer_step():
+    assert run_ranks(1, _fp8_experts_cache) == [True]
+
+
 @pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
 def test_fp8_experts_unsupported_configs():
     run_ranks(1, _fp8_experts_errors)
@@ -505,7 +561,7 @@ def test_fp8_experts_unsupported_configs():
 
 def test_train_script_smoke():
     root = os.path.join(os.path.dirname(__file__), "..")
-    cmd = [sys.executable, os.path.join(root, "scripts", "train_moe_megatron.py"), "--device", "cpu", "--steps", "4",
+    cmd = [sys.executable, os.path.join(root, "examples", "train_moe_megatron.py"), "--device", "cpu", "--steps", "4",
            "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "64", "--seq-length", "32",
            "--micro-batch-size", "4", "--vocab-size", "128", "--fp8a2a-bf16-below-bytes", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
