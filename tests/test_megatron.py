@@ -114,12 +114,21 @@ CASES = {
     "capacity_static": dict(fp8=True, tol=0.1, static_rows=0.5,
                             config=dict(moe_expert_capacity_factor=0.5, fp8a2a_capacity_mode="static")),
 }
+# moe_router_padding_for_quantization (set after construction: megatron-core refuses fp8 configs
+# without TransformerEngine): every local expert's rows a multiple of 16; results unchanged
+PAD = dict(fp8="e4m3", moe_router_padding_for_quantization=True)
+CASES["pad_for_quantization"] = dict(after=PAD, align=16)
+CASES["pad_for_quantization_fp8"] = dict(fp8=True, tol=0.1, after=PAD, align=16)
+CASES["pad_for_quantization_drop_and_pad"] = dict(
+    fp8=True, tol=0.1, after=PAD, align=16,
+    config=dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True))
 if HAVE_FP8_EXPERTS:
     CASES["fp8_experts"] = dict(fp8=True, tol=0.15, fp8_experts=True)
     CASES["fp8_experts_raw_wire"] = dict(fp8=False, tol=0.15, fp8_experts=True)
     CASES["fp8_experts_fp8_dgrad"] = dict(fp8=True, tol=0.15, fp8_experts=True, config=dict(fp8a2a_fp8_dgrad=True))
     CASES["fp8_experts_fp8_dgrad_wgrad"] = dict(fp8=True, tol=0.15, fp8_experts=True,
                                                 config=dict(fp8a2a_fp8_dgrad=True, fp8a2a_fp8_wgrad=True))
+    CASES["fp8_experts_pad_for_quantization"] = dict(fp8=True, tol=0.15, fp8_experts=True, after=PAD)  # not padded
 
 
 def layer_scenario(rank, world, case):
@@ -133,6 +142,8 @@ def layer_scenario(rank, world, case):
         torch.manual_seed(1)
         ref = build(moe_spec(c["experts"]), make_config("allgather", **ref_over))
         cfg = make_config(fm.FP8_ALLTOALL, **over)
+        for k, v in c.get("after", {}).items():
+            setattr(cfg, k, v)
         torch.manual_seed(1)
         mine = build(moe_spec(c["experts"], c.get("fp8_experts", False)), cfg)
         assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher)
@@ -167,7 +178,10 @@ def layer_scenario(rank, world, case):
         assert not bad, f"rank {rank}: errors above {tol}: {bad}"
         if c["fp8"]:
             assert errors["y"] > 1e-4, "an FP8 case must actually quantize"
-        if "static_rows" in c:  # capacity mode: every local expert gets world x capacity rows
+        if "align" in c:  # padded for quantization: multiples of the alignment
+            assert all(n % c["align"] == 0 for n in seen[0]) and sum(seen[0]) > 0, seen
+            assert mine.token_dispatcher._pad_rows is None  # cleared by the combine
+        elif "static_rows" in c:  # capacity mode: every local expert gets world x capacity rows
             capacity = -(-c["seq"] * c["batch"] * c["topk"] * c["static_rows"] // c["experts"])
             assert seen == [[int(world * capacity)] * (c["experts"] // c.get("ep", world))], seen
         else:
