@@ -493,18 +493,29 @@ def _act_bwd(cfg, z, dh, rw):
 # autograd
 
 
+def _save(ctx, *tensors):
+    """ctx.save_for_backward, but expert_weights stand-ins (no values: their identity names the
+    parameters) are kept as they are, out of reach of saved-tensor hooks that would copy them."""
+    ctx.stand_ins = {i: t for i, t in enumerate(tensors) if t is not None and _lazy(t)}
+    ctx.save_for_backward(*(None if i in ctx.stand_ins else t for i, t in enumerate(tensors)))
+
+
+def _saved(ctx):
+    return tuple(ctx.stand_ins.get(i, t) for i, t in enumerate(ctx.saved_tensors))
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg):
         wq, sw = fp8_weight(weight)
         y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
-        ctx.save_for_backward(xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
+        _save(ctx, xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xq, xs, weight, rw, offs = ctx.saved_tensors
+        xq, xs, weight, rw, offs = _saved(ctx)
         need_x, need_w, need_rw = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dy = dy.to(torch.bfloat16).contiguous()
         dx = dw = drw = None
@@ -527,13 +538,13 @@ class _GroupedMLP(torch.autograd.Function):
         z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
         y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
-        ctx.save_for_backward(xq, xs, z, hq, hs, w1, w2, rw, offs)
+        _save(ctx, xq, xs, z, hq, hs, w1, w2, rw, offs)
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xq, xs, z, hq, hs, w1, w2, rw, offs = ctx.saved_tensors
+        xq, xs, z, hq, hs, w1, w2, rw, offs = _saved(ctx)
         cfg = ctx.cfg
         _, _, need_x, need_w1, need_w2, need_rw, _, _ = ctx.needs_input_grad
         dy = dy.to(torch.bfloat16).contiguous()
