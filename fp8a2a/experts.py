@@ -168,37 +168,95 @@ def _weight_version(w):
         return None
 
 
-def stack_weights(params):
-    """torch.stack(params) ([E, N, K] from E [N, K] parameters, differentiable), marked so that
-    fp8_weight caches its FP8 copy on the parameters: a stack is a new tensor on every call."""
-    w = torch.stack(list(params))
-    w.__dict__["_fp8a2a_sources"] = tuple(params)
-    return w
+class _ExpertWeights(torch.autograd.Function):
+    """Stand-ins [E, N, K] for groups of E per-expert [N, K] parameters: no memory (zero strides),
+    the gradient of each stand-in handed to its parameters as slices (views, no copy)."""
+
+    @staticmethod
+    def forward(ctx, counts, *params):
+        ctx.counts, out, i = counts, [], 0
+        for n in counts:
+            out.append(params[i].new_empty(()).expand(n, *params[i].shape))
+            i += n
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        parts = [(None,) * n if g is None else g.unbind(0) for g, n in zip(grads, ctx.counts)]
+        return (None,) + tuple(t for part in parts for t in part)
+
+
+def expert_weights(*groups):
+    """For each group of E per-expert parameters [N, K] (Megatron's experts), an [E, N, K] weight for
+    grouped_linear / FP8GroupedMLP without stacking them: differentiable (each parameter gets its
+    slice of the gradient), but holding no values. The expert GEMMs read only the copies cached
+    on the parameters under fp8_weight's rule: the FP8 weights, and the BF16 stack the BF16 dgrad
+    reads (_dense_weight). Returns a tuple, one weight per group."""
+    groups = [tuple(g) for g in groups]
+    if any(not g or any(t.shape != g[0].shape for t in g) for g in groups):
+        raise ValueError("fp8a2a: expert_weights needs non-empty groups of same-shaped parameters")
+    out = _ExpertWeights.apply(tuple(len(g) for g in groups), *(t for g in groups for t in g))
+    for w, g in zip(out, groups):
+        w.__dict__["_fp8a2a_sources"] = g
+    return out
+
+
+def _cached(weight, kind, build):
+    """build(sources) cached on the weight (on the first of its parameters for an expert_weights
+    stand-in) under kind. The one validity rule: recomputed when a version counter or storage of a
+    source changes, after every optimizer step (fused optimizers do not bump versions) and after
+    invalidate_fp8_weight_cache(); never cached for inference tensors (no version counter)."""
+    sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
+    versions = tuple(_weight_version(t) for t in sources)
+    cacheable = None not in versions
+    key = (kind, versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources), weight.device,
+           tuple(weight.shape))
+    cache = sources[0].__dict__.setdefault("_fp8a2a_cache", {})
+    if cacheable and cache.get(kind, (None,))[0] == key:
+        return cache[kind][1]
+    cache.pop(kind, None)  # free the stale copy before building its successor
+    with torch.no_grad():
+        out = build(sources)
+    if cacheable:
+        cache[kind] = (key, out)
+    return out
+
+
+def _lazy(weight) -> bool:
+    return "_fp8a2a_sources" in weight.__dict__
+
+
+def _dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The values of an [E, N, K] weight: itself, or for an expert_weights stand-in the stack of its
+    parameters, cached (one copy of the local expert weights, refreshed when they change: it spares
+    every micro-batch a copy of all of them)."""
+    if not _lazy(weight):
+        return weight
+    return _cached(weight, "stack", lambda sources: torch.stack([t.detach() for t in sources]))
 
 
 def fp8_weight(weight: torch.Tensor, transposed: bool = False):
     """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
     transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
-    weight tensor (on its parameters for a stack_weights tensor); recomputed when a version counter
-    or storage changes, after every optimizer step (fused optimizers do not bump versions) and after
-    invalidate_fp8_weight_cache()."""
-    sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
-    versions = tuple(_weight_version(t) for t in sources)
-    cacheable = None not in versions
-    key = (transposed, versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources), weight.device,
-           tuple(weight.shape))
-    cache = sources[0].__dict__.get("_fp8a2a_cache")
-    if cacheable and cache is not None and cache.get(transposed, (None,))[0] == key:
-        return cache[transposed][1]
-    with torch.no_grad():
-        w = weight.detach()
-        w = w.transpose(-2, -1) if transposed else w
-        E, N, K = w.shape
-        data, scale = _quant_rows(w.reshape(E * N, K))
-        out = (data.view(E, N, K), scale.view(E, N))
-    if cacheable:
-        sources[0].__dict__.setdefault("_fp8a2a_cache", {})[transposed] = (key, out)
-    return out
+    weight tensor (on its parameters for an expert_weights stand-in, quantized expert by expert
+    there: no BF16 stack); recomputed as _cached says."""
+    def build(sources):
+        E, N, K = weight.shape
+        if transposed:
+            N, K = K, N
+        if not _lazy(weight):
+            w = weight.detach()
+            data, scale = _quant_rows((w.transpose(-2, -1) if transposed else w).reshape(E * N, K))
+            return data.view(E, N, K), scale.view(E, N)
+        data = torch.empty((E, N, K), dtype=FP8, device=weight.device)
+        scale = torch.empty((E, N), dtype=torch.float32, device=weight.device)
+        for e, t in enumerate(sources):
+            d, s = _quant_rows(t.detach().t() if transposed else t.detach())
+            data[e].copy_(d)
+            scale[e].copy_(s)
+        return data, scale
+
+    return _cached(weight, transposed, build)
 
 
 def _block_to_row(data, scale):
@@ -295,6 +353,7 @@ def _dgrad(cfg, g, w, offs):
         wtq, swt = fp8_weight(w, transposed=True)
         gq, gs = _quant_rows(g)
         return _mm_fp8(cfg, gq, gs, wtq, swt, offs)
+    w = _dense_weight(w)
     if cfg.backend == "reference":
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
     wb = w.to(torch.bfloat16)
@@ -434,18 +493,29 @@ def _act_bwd(cfg, z, dh, rw):
 # autograd
 
 
+def _save(ctx, *tensors):
+    """ctx.save_for_backward, but expert_weights stand-ins (no values: their identity names the
+    parameters) are kept as they are, out of reach of saved-tensor hooks that would copy them."""
+    ctx.stand_ins = {i: t for i, t in enumerate(tensors) if t is not None and _lazy(t)}
+    ctx.save_for_backward(*(None if i in ctx.stand_ins else t for i, t in enumerate(tensors)))
+
+
+def _saved(ctx):
+    return tuple(ctx.stand_ins.get(i, t) for i, t in enumerate(ctx.saved_tensors))
+
+
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg):
         wq, sw = fp8_weight(weight)
         y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
-        ctx.save_for_backward(xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
+        _save(ctx, xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xq, xs, weight, rw, offs = ctx.saved_tensors
+        xq, xs, weight, rw, offs = _saved(ctx)
         need_x, need_w, need_rw = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         dy = dy.to(torch.bfloat16).contiguous()
         dx = dw = drw = None
@@ -468,13 +538,13 @@ class _GroupedMLP(torch.autograd.Function):
         z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
         y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
-        ctx.save_for_backward(xq, xs, z, hq, hs, w1, w2, rw, offs)
+        _save(ctx, xq, xs, z, hq, hs, w1, w2, rw, offs)
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xq, xs, z, hq, hs, w1, w2, rw, offs = ctx.saved_tensors
+        xq, xs, z, hq, hs, w1, w2, rw, offs = _saved(ctx)
         cfg = ctx.cfg
         _, _, need_x, need_w1, need_w2, need_rw, _, _ = ctx.needs_input_grad
         dy = dy.to(torch.bfloat16).contiguous()

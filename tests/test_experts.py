@@ -5,13 +5,16 @@ torch._scaled_grouped_mm and Triton paths against the reference path at real exp
 Ground truth is float64 with the straight-through rules of fp8a2a/experts.py spelt out: forward
 values use the FP8 input, FP8 weights (per output channel), a bf16 fc1 output and a per-row FP8
 activation; gradients flow to the input and the master weights as if no quantization happened."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fp8a2a
 from fp8a2a import experts
-from fp8a2a.experts import ExpertsConfig, FP8GroupedMLP, _block_to_row, fp8_weight, grouped_linear, resolve_backend, stack_weights
+from fp8a2a.experts import (ExpertsConfig, FP8GroupedMLP, _block_to_row, expert_weights, fp8_weight, grouped_linear,
+                            resolve_backend)
 from fp8a2a.quant import QuantizedTensor
 from fp8a2a.reference import dequantize_reference, quantize_reference
 
@@ -271,21 +274,87 @@ def test_fp8_weight_cache_follows_the_version_counter():
     assert fp8_weight(w) is b  # both kinds cached side by side
 
 
-def test_fp8_weight_of_stacked_parameters_is_cached_on_them():
-    """Megatron's experts hold one parameter per expert: the stack is new on every forward, the FP8
-    copy is not (it follows the parameters' versions)."""
+def test_fp8_weight_of_expert_parameters_is_cached_on_them():
+    """Megatron's experts hold one parameter per expert: the stand-in is new on every forward, the
+    FP8 copy is not (it follows the parameters' versions)."""
     ps = [torch.nn.Parameter(torch.randn(32, 64)) for _ in range(3)]
-    a = fp8_weight(stack_weights(ps))
-    assert fp8_weight(stack_weights(ps)) is a
+    a = fp8_weight(expert_weights(ps)[0])
+    assert fp8_weight(expert_weights(ps)[0]) is a
     torch.testing.assert_close(a[0].float() * a[1][..., None], torch.stack(ps).detach(), rtol=0.07, atol=1e-3)
+    t = fp8_weight(expert_weights(ps)[0], transposed=True)  # expert by expert, as of the stack's transpose
+    want = fp8_weight(torch.stack(ps).detach(), transposed=True)
+    assert torch.equal(t[0].float(), want[0].float()) and torch.equal(t[1], want[1])
     with torch.no_grad():
         ps[2].mul_(2)  # any one parameter changing refreshes the copy
-    b = fp8_weight(stack_weights(ps))
+    b = fp8_weight(expert_weights(ps)[0])
     assert b is not a
     torch.testing.assert_close(b[1][2], a[1][2] * 2)
-    w = stack_weights(ps)
-    (w * 3).sum().backward()  # the stack stays differentiable into the parameters
-    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in ps)
+    w, v = expert_weights(ps, ps[:2])
+    assert w.shape == (3, 32, 64) and v.shape == (2, 32, 64) and w.stride() == (0, 0, 0)  # no memory
+    ((w.sum(0) * 3).sum() + v.sum()).backward()  # differentiable into the parameters, slice by slice
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0 + (i < 2))) for i, p in enumerate(ps))
+
+
+def _count_builds(monkeypatch):
+    """{'stack': BF16 stacks built, 'fp8': weight quantizations} of the expert weight caches."""
+    import fp8a2a.experts as ex
+    counts = {"stack": 0, "fp8": 0}
+    cached = ex._cached
+
+    def counting(weight, kind, build):
+        def counted(sources):
+            counts["stack" if kind == "stack" else "fp8"] += 1
+            return build(sources)
+        return cached(weight, kind, counted)
+    monkeypatch.setattr(ex, "_cached", counting)
+    return counts
+
+
+@pytest.mark.parametrize("fp8_dgrad", [False, True], ids=["bf16_dgrad", "fp8_dgrad"])
+def test_expert_weights_built_once_per_optimizer_step(monkeypatch, fp8_dgrad):
+    """Per-expert parameters: the FP8 weights (and, for the BF16 dgrad, the BF16 stack) are made
+    once for several micro-batches, again after an optimizer step or a weight write; the gradients
+    are those of torch.stack'ed weights."""
+    counts = _count_builds(monkeypatch)
+    E, H, F_ = 4, 64, 32
+    w1 = [torch.nn.Parameter(torch.randn(2 * F_, H) * 0.1) for _ in range(E)]
+    w2 = [torch.nn.Parameter(torch.randn(H, F_) * 0.1) for _ in range(E)]
+    mlp = FP8GroupedMLP(E, H, F_, fp8_dgrad=fp8_dgrad, device="meta")
+    tpe = torch.tensor([5, 0, 7, 4])
+    opt = torch.optim.SGD(w1 + w2, lr=0.1)
+
+    def micro_batch(seed, stacked=False):
+        g = torch.Generator().manual_seed(seed)
+        x, rw = torch.randn(16, H, generator=g).requires_grad_(), torch.rand(16, generator=g)
+        weights = (torch.stack(w1), torch.stack(w2)) if stacked else expert_weights(w1, w2)
+        y = torch.func.functional_call(mlp, {"fc1_weight": weights[0], "fc2_weight": weights[1]}, (x, tpe, rw))
+        y.float().pow(2).sum().backward()
+        return y, x.grad
+
+    per_step = {"stack": 0 if fp8_dgrad else 2, "fp8": 4 if fp8_dgrad else 2}
+    for _ in range(3):
+        micro_batch(0)
+    assert counts == per_step, counts
+    opt.zero_grad()
+    y_ref, gx_ref = micro_batch(0, stacked=True)  # the reference: stacked weights (and its own caches)
+    grads = [p.grad.clone() for p in w1 + w2]
+    for hooks in (False, True):  # saved-tensor hooks that copy (activation offloading) see no stand-in
+        opt.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t) if hooks \
+                else contextlib.nullcontext():
+            y, gx = micro_batch(0)
+        assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+        assert all(torch.equal(p.grad, g) for p, g in zip(w1 + w2, grads))
+    counts.update(stack=0, fp8=0)
+    opt.step()  # an optimizer step: everything again, once
+    for _ in range(2):
+        micro_batch(1)
+    assert counts == per_step, counts
+    counts.update(stack=0, fp8=0)
+    with torch.no_grad():
+        w2[1].add_(1.0)  # an in-place write to one expert's weight: that weight's copies again
+    micro_batch(2)
+    assert counts == {k: v // 2 for k, v in per_step.items()}, counts
 
 
 def test_fp8_weight_cache_refreshes_after_a_fused_optimizer_step():

@@ -114,9 +114,21 @@ CASES = {
     "capacity_static": dict(fp8=True, tol=0.1, static_rows=0.5,
                             config=dict(moe_expert_capacity_factor=0.5, fp8a2a_capacity_mode="static")),
 }
+# moe_router_padding_for_quantization (set after construction: megatron-core refuses fp8 configs
+# without TransformerEngine): every local expert's rows a multiple of 16; results unchanged
+PAD = dict(fp8="e4m3", moe_router_padding_for_quantization=True)
+CASES["pad_for_quantization"] = dict(after=PAD, align=16)
+CASES["pad_for_quantization_fp8"] = dict(fp8=True, tol=0.1, after=PAD, align=16)
+CASES["pad_for_quantization_drop_and_pad"] = dict(
+    fp8=True, tol=0.1, after=PAD, align=16,
+    config=dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True))
 if HAVE_FP8_EXPERTS:
     CASES["fp8_experts"] = dict(fp8=True, tol=0.15, fp8_experts=True)
     CASES["fp8_experts_raw_wire"] = dict(fp8=False, tol=0.15, fp8_experts=True)
+    CASES["fp8_experts_fp8_dgrad"] = dict(fp8=True, tol=0.15, fp8_experts=True, config=dict(fp8a2a_fp8_dgrad=True))
+    CASES["fp8_experts_fp8_dgrad_wgrad"] = dict(fp8=True, tol=0.15, fp8_experts=True,
+                                                config=dict(fp8a2a_fp8_dgrad=True, fp8a2a_fp8_wgrad=True))
+    CASES["fp8_experts_pad_for_quantization"] = dict(fp8=True, tol=0.15, fp8_experts=True, after=PAD)  # not padded
 
 
 def layer_scenario(rank, world, case):
@@ -130,9 +142,15 @@ def layer_scenario(rank, world, case):
         torch.manual_seed(1)
         ref = build(moe_spec(c["experts"]), make_config("allgather", **ref_over))
         cfg = make_config(fm.FP8_ALLTOALL, **over)
+        for k, v in c.get("after", {}).items():
+            setattr(cfg, k, v)
         torch.manual_seed(1)
         mine = build(moe_spec(c["experts"], c.get("fp8_experts", False)), cfg)
         assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher)
+        if c.get("fp8_experts", False):
+            impl = mine.experts._fp8a2a_impl
+            assert (impl.fp8_dgrad, impl.fp8_wgrad) == (over.get("fp8a2a_fp8_dgrad", False),
+                                                        over.get("fp8a2a_fp8_wgrad", False))
         assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL
         assert mine.token_dispatcher.deliver_fp8 == c.get("fp8_experts", False)
         assert list(mine.state_dict()) == list(ref.state_dict())  # same parameters, same checkpoint layout
@@ -160,7 +178,10 @@ def layer_scenario(rank, world, case):
         assert not bad, f"rank {rank}: errors above {tol}: {bad}"
         if c["fp8"]:
             assert errors["y"] > 1e-4, "an FP8 case must actually quantize"
-        if "static_rows" in c:  # capacity mode: every local expert gets world x capacity rows
+        if "align" in c:  # padded for quantization: multiples of the alignment
+            assert all(n % c["align"] == 0 for n in seen[0]) and sum(seen[0]) > 0, seen
+            assert mine.token_dispatcher._pad_rows is None  # cleared by the combine
+        elif "static_rows" in c:  # capacity mode: every local expert gets world x capacity rows
             capacity = -(-c["seq"] * c["batch"] * c["topk"] * c["static_rows"] // c["experts"])
             assert seen == [[int(world * capacity)] * (c["experts"] // c.get("ep", world))], seen
         else:
@@ -349,6 +370,10 @@ def test_options_precedence():
             fm.resolve(argparse.Namespace(fp8a2a_granularity="col"))
         with pytest.raises(TypeError, match="unknown"):
             fm.register(granularty="row")
+        fm.register(fp8_dgrad=True)  # the FP8 experts' options follow the same precedence
+        assert (fm.resolve(None).fp8_dgrad, fm.resolve(None).fp8_wgrad) == (True, False)
+        assert not fm.resolve(argparse.Namespace(fp8a2a_fp8_dgrad=False)).fp8_dgrad
+        assert fm.resolve(argparse.Namespace(fp8a2a_fp8_wgrad=True)).fp8_wgrad
     finally:
         fm.options.reset_defaults()
     assert fm.resolve(None) == fm.Options()
@@ -361,11 +386,13 @@ def test_command_line_flags():
     assert fm.extra_args_provider(p) is p
     fm.add_arguments(p)  # idempotent
     a = p.parse_args(["--moe-token-dispatcher-type", "fp8_alltoall", "--fp8a2a-granularity", "block128",
-                      "--fp8a2a-fp8-combine", "--fp8a2a-bf16-below-bytes", "0"])
+                      "--fp8a2a-fp8-combine", "--fp8a2a-bf16-below-bytes", "0", "--fp8a2a-fp8-dgrad"])
     assert a.moe_token_dispatcher_type == "fp8_alltoall"
     opts = fm.resolve(a)
     assert (opts.granularity, opts.fp8_combine, opts.bf16_below_bytes, opts.capacity_mode) == \
         ("block128", True, 0, "auto")
+    assert (opts.fp8_dgrad, opts.fp8_wgrad) == (True, False)
+    assert fm.resolve(p.parse_args(["--fp8a2a-fp8-wgrad"])).fp8_wgrad
     defaults = p.parse_args([])
     assert fm.resolve(defaults) == fm.Options()
     with pytest.raises(SystemExit):
@@ -496,6 +523,49 @@ def _fp8_experts_errors(rank, world):
             build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, add_bias_linear=True))
     finally:
         ps.destroy_model_parallel()
+
+
+def _fp8_experts_cache(rank, world):
+    """FP8 experts over several micro-batches: the FP8 weights (and the BF16 stack of the BF16
+    dgrad) are made once, again after an optimizer step and after a weight write."""
+    import fp8a2a.experts as ex
+    init_parallel(world)
+    counts = {}
+    cached = ex._cached
+
+    def counting(weight, kind, build):
+        def counted(sources):
+            counts[kind] = counts.get(kind, 0) + 1
+            return build(sources)
+        return cached(weight, kind, counted)
+    ex._cached = counting
+    try:
+        torch.manual_seed(1)
+        layer = build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0))
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # fused: no version bumps
+        x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
+        once = {False: 2, "stack": 2}  # fc1 and fc2: FP8 forward weights, BF16 stack for the dgrad
+        seen = []
+        for step in range(2):
+            for _ in range(3):
+                layer(x.clone().requires_grad_())[0].sum().backward()
+            seen.append(dict(counts))
+            counts.clear()
+            if step == 0:
+                opt.step()
+        with torch.no_grad():
+            layer.experts.local_experts[3].linear_fc2.weight.add_(0.1)
+        layer(x.clone().requires_grad_())[0].sum().backward()
+        seen.append(dict(counts))
+        return seen == [once, once, {False: 1, "stack": 1}] or seen
+    finally:
+        ex._cached = cached
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+def test_fp8_experts_weights_made_once_per_optimizer_step():
+    assert run_ranks(1, _fp8_experts_cache) == [True]
 
 
 @pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")

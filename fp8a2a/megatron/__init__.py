@@ -82,6 +82,10 @@ def add_arguments(parser):
     g.add_argument("--fp8a2a-bf16-below-bytes", type=int, default=None,
                    help=f"dispatch inputs smaller than this many bytes per rank unquantized "
                         f"(default {d.bf16_below_bytes}; 0 = always FP8)")
+    g.add_argument("--fp8a2a-fp8-dgrad", action="store_true", default=None,
+                   help="FP8 experts (fp8_experts_spec): FP8 input-gradient GEMMs (default BF16)")
+    g.add_argument("--fp8a2a-fp8-wgrad", action="store_true", default=None,
+                   help="FP8 experts (fp8_experts_spec): FP8 weight-gradient GEMMs; lossy, default BF16")
     return parser
 
 
@@ -241,7 +245,7 @@ def register(**defaults):
     """Make Megatron-core build the fp8_alltoall dispatcher (see the module docstring).
 
     defaults: process-wide option defaults (granularity, capacity_mode, fp8_combine,
-    fp8_dispatch_backward, bf16_below_bytes); config attributes fp8a2a_<name> and the --fp8a2a-*
+    fp8_dispatch_backward, bf16_below_bytes, and the FP8 experts' fp8_dgrad, fp8_wgrad); config attributes fp8a2a_<name> and the --fp8a2a-*
     flags take precedence. Returns the resolved defaults."""
     import megatron.core  # noqa: F401  (a clear ImportError when megatron-core is missing)
 

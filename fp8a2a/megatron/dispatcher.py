@@ -35,8 +35,18 @@ Capacity (options.py, --fp8a2a-capacity-mode): Megatron's router applies moe_exp
 capacity mode (static shapes, no host sync, every local expert gets R x capacity rows, padding rows
 zero with weight 0: the shapes and results of Megatron's alltoall drop-and-pad); the router's own
 padding slots (probability 0) are never sent.
+
+Padding for quantization (moe_router_padding_for_quantization, which Megatron sets with FP8/FP4
+recipes; its experts then skip their own padding): every local expert's row count is rounded up
+to Megatron's get_align_size_for_quantization(config) (16 for FP8 on Hopper, as TE's FP8 grouped
+GEMMs need). Megatron's alltoall pads the routing map on the sending side (real tokens with
+probability 0 added to each (source rank, expert)); fp8_alltoall pads on the receiving side
+instead: zero rows with weight 0 appended to each local expert in dispatch_postprocess and cut off
+again in combine_preprocess. The same alignment with fewer rows and none on the wire; outputs and
+gradients are those without padding (the padding rows add 0 to both, and being zero they do not
+move TE's current-scaling amax as Megatron's padding tokens can). The FP8 experts
+(fp8_experts_spec) need no alignment and get none.
 """
-import warnings
 from typing import Optional
 
 import torch
@@ -95,15 +105,6 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     return torch.where(valid, idx, torch.full_like(idx, -1)), weights
 
 
-_warned = set()
-
-
-def _warn_once(key, msg):
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(msg, stacklevel=3)
-
-
 class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
     """--moe-token-dispatcher-type fp8_alltoall (see the module docstring).
 
@@ -139,9 +140,10 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         # Dispatcher pads every (source rank, local expert) to the same capacity itself.
         self.capacity_factor = factor if (mode == "static" or (mode == "auto" and pad)) else None
         self.strip_capacity_padding = pad
+        self.pad_multiple = 0  # moe_router_padding_for_quantization: rows per local expert rounded up to this
         if getattr(config, "moe_router_padding_for_quantization", False):
-            _warn_once("router_padding", "fp8a2a: moe_router_padding_for_quantization is ignored by fp8_alltoall "
-                       "(no padding rows are sent; Megatron's experts pad their own FP8/FP4 inputs)")
+            from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+            self.pad_multiple = int(get_align_size_for_quantization(config))
 
         tp = self.tp_size
         group = self.ep_group
@@ -165,6 +167,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._probs_dtype = None
         self._out = None
         self._handle = None
+        self._pad_rows = None  # destination rows of the received rows in the padded layout
         self.cudagraph_attrs = ["_x", "_topk_idx"]
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -220,10 +223,37 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             tokens = _attach(carrier, tokens)
         if self.deliver_fp8:
             return tokens, out.tokens_per_expert, probs
+        counts = out.handle.tokens_per_expert_list
+        if self.pad_multiple > 1:
+            tokens, probs, counts = self._pad_for_quantization(tokens, probs, counts)
         # Megatron's experts call tokens_per_expert.tolist(): a host tensor costs no sync
-        return tokens, torch.tensor(out.handle.tokens_per_expert_list, dtype=torch.int64), probs
+        return tokens, torch.tensor(counts, dtype=torch.int64), probs
+
+    def _pad_for_quantization(self, tokens, probs, counts):
+        """Rows and weights with every local expert's rows rounded up to pad_multiple (zero rows,
+        weight 0, after the expert's own); remembers where the real rows went (combine_preprocess)."""
+        m = self.pad_multiple
+        padded = [-(-c // m) * m for c in counts]
+        self._pad_rows = None
+        if padded == counts:
+            return tokens, probs, counts
+        shift, acc = [], 0  # rows of padding before each expert's rows
+        for c, p in zip(counts, padded):
+            shift.append(acc)
+            acc += p - c
+        dev, rows = tokens.device, tokens.shape[0]
+        dest = torch.arange(rows, device=dev) + torch.repeat_interleave(
+            torch.tensor(shift, device=dev), torch.tensor(counts, device=dev), output_size=rows)
+        total = sum(padded)
+        tokens = tokens.new_zeros((total, tokens.shape[1])).index_copy(0, dest, tokens)
+        probs = probs.new_zeros((total,) + tuple(probs.shape[1:])).index_copy(0, dest, probs)
+        self._pad_rows = dest
+        return tokens, probs, padded
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
+        dest, self._pad_rows = self._pad_rows, None
+        if dest is not None:  # drop the padding rows of moe_router_padding_for_quantization
+            hidden_states = hidden_states.index_select(0, dest)
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -238,5 +268,5 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         output = hidden_states.view(self.hidden_shape)
         if self.shared_experts is not None:
             output = output + self.shared_experts.get_output()
-        self._x = self._topk_idx = self._handle = None
+        self._x = self._topk_idx = self._handle = self._pad_rows = None
         return output

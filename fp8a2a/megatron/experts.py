@@ -2,9 +2,13 @@
 sharding, state_dict and sharded_state_dict: checkpoints keep their layout) whose forward runs
 fp8a2a.FP8GroupedMLP on the FP8 rows that fp8_alltoall delivers (no dequantize in between).
 
-Per forward, the local experts' fc1 / fc2 weights are stacked to FP8GroupedMLP's [E, out, in]
-layout (one copy of the local expert weights; the gradients flow back to Megatron's parameters
-through the stack) and FP8GroupedMLP quantizes them per output channel. Supported: SwiGLU (gated
+The local experts' fc1 / fc2 parameters reach FP8GroupedMLP as fp8a2a.experts.expert_weights
+stand-ins in its [E, out, in] layout: no per-forward stack. The GEMMs read the FP8 weights
+(quantized per output channel) and, for the BF16 dgrad, a BF16 stack, both cached on the
+parameters across micro-batches and rebuilt once they change (an optimizer step, an in-place
+write, invalidate_fp8_weight_cache()); each parameter gets its slice of the weight gradient.
+fp8_dgrad / fp8_wgrad come from the fp8a2a options (--fp8a2a-fp8-dgrad, --fp8a2a-fp8-wgrad,
+config.fp8a2a_fp8_dgrad, ...; fp8a2a/megatron/options.py); with fp8_dgrad no BF16 stack is made. Supported: SwiGLU (gated
 SiLU), GELU and ReLU experts without bias; expert-TP shards work as they are (fc2 partial sums are
 added by the dispatcher's combine).
 
@@ -44,6 +48,7 @@ class _FP8ExpertsMixin:
 
     def _fp8_setup(self, config, fc1_out, hidden, ffn):
         from ..experts import FP8GroupedMLP  # lazily: written alongside, and it pulls Triton where present
+        from .options import resolve
 
         if getattr(config, "add_bias_linear", False):
             raise ValueError("fp8a2a: FP8 experts do not support add_bias_linear")
@@ -56,10 +61,16 @@ class _FP8ExpertsMixin:
         # Compute only: its own parameters live on the meta device and are replaced per call by
         # the stacked Megatron weights (torch.func.functional_call). Kept out of the module tree,
         # so parameters, state_dict and checkpoints are exactly Megatron's.
-        self.__dict__["_fp8a2a_impl"] = FP8GroupedMLP(self.num_local_experts, hidden, ffn, act, device="meta")
+        opts = resolve(config)
+        self.__dict__["_fp8a2a_impl"] = FP8GroupedMLP(self.num_local_experts, hidden, ffn, act, device="meta",
+                                                      fp8_dgrad=opts.fp8_dgrad, fp8_wgrad=opts.fp8_wgrad)
 
-    def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn])
+    def _expert_params(self):  # -> ([E x [fc1_out, H]], [E x [H, ffn]])
         raise NotImplementedError
+
+    def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (fp8a2a.experts.expert_weights)
+        from ..experts import expert_weights
+        return expert_weights(*self._expert_params())
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         x = permuted_local_hidden_states
@@ -74,8 +85,6 @@ class _FP8ExpertsMixin:
 def _sequential_cls():
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from ..experts import stack_weights
-
     class FP8SequentialMLP(_FP8ExpertsMixin, SequentialMLP):
         """Megatron's SequentialMLP (local_experts.{i}.linear_fc1/linear_fc2), FP8 grouped forward."""
 
@@ -85,9 +94,9 @@ def _sequential_cls():
             fc2 = self.local_experts[0].linear_fc2.weight
             self._fp8_setup(self.config, fc1.shape[0], fc1.shape[1], fc2.shape[1])
 
-        def _fp8_weights(self):
-            return (stack_weights([e.linear_fc1.weight for e in self.local_experts]),
-                    stack_weights([e.linear_fc2.weight for e in self.local_experts]))
+        def _expert_params(self):
+            return ([e.linear_fc1.weight for e in self.local_experts],
+                    [e.linear_fc2.weight for e in self.local_experts])
 
     return FP8SequentialMLP
 
@@ -95,24 +104,22 @@ def _sequential_cls():
 def _te_grouped_cls():
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from ..experts import stack_weights
-
     class FP8TEGroupedMLP(_FP8ExpertsMixin, TEGroupedMLP):
         """Megatron's TEGroupedMLP (linear_fc1.weight{i} / linear_fc2.weight{i}), FP8 grouped forward.
         Needs TransformerEngine to build (as TEGroupedMLP does); not tested without TE."""
 
         def __init__(self, num_local_experts, config, submodules, pg_collection=None, **kwargs):
             TEGroupedMLP.__init__(self, num_local_experts, config, submodules, pg_collection=pg_collection, **kwargs)
-            w1, w2 = self._fp8_weights()
-            self._fp8_setup(self.config, w1.shape[1], w1.shape[2], w2.shape[2])
+            w1, w2 = self._expert_params()
+            self._fp8_setup(self.config, w1[0].shape[0], w1[0].shape[1], w2[0].shape[1])
 
         def _weights_of(self, linear):
             ws = [getattr(linear, f"weight{i}", None) for i in range(self.num_local_experts)]
             if any(w is None for w in ws):
                 raise ValueError("fp8a2a: FP8TEGroupedMLP needs TE GroupedLinear weights weight0..weight{E-1}")
-            return stack_weights(ws)
+            return ws
 
-        def _fp8_weights(self):
+        def _expert_params(self):
             return self._weights_of(self.linear_fc1), self._weights_of(self.linear_fc2)
 
     return FP8TEGroupedMLP

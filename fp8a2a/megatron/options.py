@@ -7,9 +7,10 @@ Each option is looked up, first match wins:
      flag was given (--fp8a2a-granularity ...; the parser defaults are None = not given),
   3. the defaults given to fp8a2a.megatron.register(...),
   4. the built-in defaults (DispatcherConfig's, and capacity_mode "auto").
-The options are the names in NAMES: DispatcherConfig's wire options and capacity_mode. The
-dispatcher's other fields (expert_tp_size, capacity_factor) come from the TransformerConfig's
-own settings (Options.dispatcher_config).
+The options are the names in NAMES: DispatcherConfig's wire options, capacity_mode and the FP8
+experts' fp8_dgrad / fp8_wgrad (FP8GroupedMLP's, for fp8_experts_spec). The dispatcher's other
+fields (expert_tp_size, capacity_factor) come from the TransformerConfig's own settings
+(Options.dispatcher_config).
 """
 import sys
 from dataclasses import dataclass, fields, replace
@@ -31,8 +32,11 @@ CAPACITY_MODES = ("auto", "static", "variable")
 
 @dataclass(frozen=True)
 class Options(DispatcherConfig):
-    """A DispatcherConfig with the Megatron-only capacity_mode; validated on construction."""
+    """A DispatcherConfig with the Megatron-only capacity_mode and the FP8 experts' fp8_dgrad /
+    fp8_wgrad (see fp8a2a.FP8GroupedMLP; default BF16 gradients); validated on construction."""
     capacity_mode: str = "auto"
+    fp8_dgrad: bool = False
+    fp8_wgrad: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -48,7 +52,8 @@ class Options(DispatcherConfig):
 
 
 # What a run sets (config.fp8a2a_<name>, --fp8a2a-<name>, register(<name>=...)).
-NAMES = ("granularity", "capacity_mode", "fp8_combine", "fp8_dispatch_backward", "bf16_below_bytes")
+NAMES = ("granularity", "capacity_mode", "fp8_combine", "fp8_dispatch_backward", "bf16_below_bytes", "fp8_dgrad",
+         "fp8_wgrad")
 _registered = Options()
 
 

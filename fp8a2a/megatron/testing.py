@@ -8,9 +8,16 @@
 * with_portable_router(spec): a copy of a layer/MoE spec using PortableTopKRouter.
 * cpu_current_device(): makes torch.cuda.current_device() return the CPU device on a machine
   without CUDA (Megatron allocates some buffers there); for tests and CPU examples only.
+* world_of_one(), build_layer(spec, config), fp8_context(config): a process group of one with
+  Megatron's model-parallel state, a layer built from a spec of any megatron-core version, and the
+  TE FP8 recipe context of a config (tests/gpu/test_megatron_gpu.py,
+  benchmarks/bench_megatron_layer.py).
 """
+import contextlib
 import dataclasses
+import datetime
 import functools
+import socket
 
 import torch
 
@@ -64,3 +71,48 @@ def cpu_current_device():
     """Without CUDA, let torch.cuda.current_device() name the CPU (process-wide; tests/examples)."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def world_of_one(seed: int = 123):
+    """torch.distributed at world size 1 (NCCL on a GPU, else gloo) and Megatron's model-parallel
+    state; returns the function that tears both down."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps, tensor_parallel
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    else:
+        cpu_current_device()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(minutes=5))
+    if cuda:
+        ps.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        ps.initialize_model_parallel(create_gloo_process_groups=False)
+        torch.manual_seed(seed)
+
+    def teardown():
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    return teardown
+
+
+def build_layer(spec, config):
+    """The module of a layer spec: a ModuleSpec (megatron-core 0.16) or a partial builder (0.19)."""
+    if isinstance(spec, functools.partial):
+        return spec(config=config)
+    from megatron.core.transformer.spec_utils import build_module
+    return build_module(spec, config=config)
+
+
+def fp8_context(config):
+    """Megatron's TE FP8 recipe context for config (config.fp8 / fp8_recipe), else a null context."""
+    if not getattr(config, "fp8", None):
+        return contextlib.nullcontext()
+    from megatron.core.fp8_utils import get_fp8_context
+    return get_fp8_context(config)

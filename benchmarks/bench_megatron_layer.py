@@ -1,0 +1,349 @@
+#!/usr/bin/env python
+"""A full megatron-core MoELayer (TE spec: moe_grouped_gemm, moe_permute_fusion, SwiGLU, 7168 -> 2048),
+forward + backward at world size 1 (a process group of one), Megatron's alltoall against
+--moe-token-dispatcher-type fp8_alltoall, under TE's FP8 recipes (issue 16's table), on one GPU:
+
+    python benchmarks/bench_megatron_layer.py [--repeat 3] [--json out.json]
+
+Shapes: 4096 tokens x 8 experts, top-8 (DeepSeek-V3's per-rank load at EP=32) and x 32 experts
+(EP=8), every row below; 256 experts (DeepSeek-V3 on one rank): fp8_experts_spec against
+FP8GroupedMLP on fp8a2a's Dispatcher (same weights), per fp8_dgrad / fp8_wgrad option, target
+within 1.15x. Rows (TEGroupedMLP experts unless named): alltoall TE BF16; alltoall TE FP8 blockwise
+(the baseline of the ratios); alltoall TE FP8 tensorwise (current scaling); fp8_alltoall row and
+block128 wire + TE FP8 blockwise; fp8_alltoall + fp8_experts_spec (default, fp8_dgrad, fp8_dgrad +
+fp8_wgrad). Timing: CUDA events around forward + backward, `--iters` iterations after warm-up, the
+variants of a shape interleaved (rotating order); `--repeat` times the shape's table again in the
+process: medians and min-max of the per-run medians, ratios per run against the baseline of that
+run. Weight quantization per optimizer step (FP8 experts: their caches rebuilt after an
+invalidation; TE requantizes its weights in every micro-batch, so its rows carry it already) is
+timed apart and folded into the step at 1, 8 and 32 micro-batches per optimizer step.
+
+--cpu: tiny shapes, the variants that need neither TE nor CUDA (SequentialMLP experts), numbers
+functional only (tests/test_bench_megatron_layer.py runs it)."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fp8a2a  # noqa: E402
+import fp8a2a.megatron as fm  # noqa: E402
+from fp8a2a.experts import _dense_weight, fp8_weight  # noqa: E402
+from fp8a2a.megatron.testing import build_layer, fp8_context, with_portable_router, world_of_one  # noqa: E402
+
+BASELINE = "alltoall + TE FP8 blockwise"
+TARGET = 1.15  # fp8_experts_spec / FP8GroupedMLP at 256 experts
+MICRO_BATCHES = (1, 8, 32)
+OPTIONS = {"": {}, " fp8_dgrad": {"fp8_dgrad": True}, " fp8_dgrad+wgrad": {"fp8_dgrad": True, "fp8_wgrad": True}}
+# name: (dispatcher, experts: te | local | fp8 (fp8_experts_spec), TE recipe, fp8a2a options)
+VARIANTS = {
+    "alltoall + TE BF16": ("alltoall", "te", None, {}),
+    BASELINE: ("alltoall", "te", "blockwise", {}),
+    "alltoall + TE FP8 tensorwise": ("alltoall", "te", "tensorwise", {}),
+    "fp8_alltoall row + TE FP8 blockwise": ("fp8_alltoall", "te", "blockwise", {}),
+    "fp8_alltoall block128 + TE FP8 blockwise": ("fp8_alltoall", "te", "blockwise", {"granularity": "block128"}),
+    **{f"fp8_alltoall + fp8_experts_spec{k}": ("fp8_alltoall", "fp8", None, v) for k, v in OPTIONS.items()},
+}
+CPU_VARIANTS = {"fp8_alltoall row + SequentialMLP": ("fp8_alltoall", "local", None, {}),
+                **{k: v for k, v in VARIANTS.items() if v[1] == "fp8"}}
+# name: (tokens, experts, top-k, hidden, ffn, the rows' kind: table | big)
+GPU_SHAPES = {"4096 tok x 8 experts top-8 (EP=32)": (4096, 8, 8, 7168, 2048, "table"),
+              "4096 tok x 32 experts top-8 (EP=8)": (4096, 32, 8, 7168, 2048, "table"),
+              "4096 tok x 256 experts top-8 (EP=1)": (4096, 256, 8, 7168, 2048, "big")}
+CPU_SHAPES = {"64 tok x 4 experts top-2": (64, 4, 2, 128, 64, "table"),
+              "64 tok x 16 experts top-2": (64, 16, 2, 128, 64, "big")}
+
+
+class Variant:
+    """A layer and the step that times it: forward under its recipe, backward, fresh grads."""
+
+    def __init__(self, name, step, refresh=None, cfg=None):
+        self.name, self.step, self.refresh, self.cfg = name, step, refresh, cfg
+
+
+def make_layer(shape, dispatcher, experts, recipe, opts, cuda):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer import TransformerConfig
+    T, E, K, H, Fh, _ = shape
+    te = cuda and experts != "local"  # the TE spec (TEGroupedMLP); else the local one (SequentialMLP)
+    kw = dict(num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=Fh, moe_ffn_hidden_size=Fh,
+              num_moe_experts=E, moe_router_topk=K, moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=1e-2,
+              moe_router_load_balancing_type="aux_loss", add_bias_linear=False, gated_linear_unit=True,
+              activation_func=F.silu, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+              moe_router_dtype="fp32", moe_grouped_gemm=te, moe_permute_fusion=cuda,
+              use_cpu_initialization=not cuda)
+    if recipe:
+        kw.update(fp8="e4m3", fp8_recipe=recipe, moe_router_padding_for_quantization=True)
+    cfg = TransformerConfig(**kw)
+    for k, v in {"bf16_below_bytes": 0, **opts}.items():
+        setattr(cfg, "fp8a2a_" + k, v)
+    spec = get_moe_module_spec(use_te=te, num_experts=E, moe_grouped_gemm=te)
+    if experts == "fp8":
+        spec = fm.fp8_experts_spec(spec)
+    if not cuda:
+        spec = with_portable_router(spec)
+    return build_layer(spec, cfg).to("cuda" if cuda else "cpu"), cfg
+
+
+def layer_variant(name, layer, cfg, x, gy):
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_()
+        with fp8_context(cfg):
+            y, _ = layer(xi)
+        y.backward(gy)
+
+    refresh = None
+    if hasattr(layer.experts, "_fp8a2a_impl"):  # FP8 experts: their cached weights, per optimizer step
+        impl = layer.experts._fp8a2a_impl
+
+        def refresh():
+            with torch.no_grad():
+                for w in layer.experts._fp8_weights():
+                    fp8_weight(w)
+                    fp8_weight(w, transposed=True) if impl.fp8_dgrad else _dense_weight(w)
+    return Variant(name, step, refresh, cfg)
+
+
+def grouped_mlp_variants(shape, layer, x, gy, cuda):
+    """FP8GroupedMLP on fp8a2a's Dispatcher with the FP8 experts layer's router and expert weights
+    (the layer's expert parameters become views of the [E, out, in] weights both use)."""
+    T, E, K, H, Fh, _ = shape
+    stacks = []
+    for ps in layer.experts._expert_params():
+        w = torch.nn.Parameter(torch.stack([p.detach() for p in ps]))
+        for i, p in enumerate(ps):
+            p.data = w.data[i]
+        stacks.append(w)
+    disp = fp8a2a.Dispatcher(E, config=fp8a2a.DispatcherConfig(bf16_below_bytes=0))
+    router = layer.router.weight
+    out = []
+    for suffix, opts in OPTIONS.items():
+        mlp = fp8a2a.FP8GroupedMLP(E, H, Fh, device="meta", **opts)
+        mlp.fc1_weight, mlp.fc2_weight = stacks
+
+        def step(mlp=mlp):
+            for p in stacks + [router]:
+                p.grad = None
+            xi = x.detach().requires_grad_()
+            x2 = xi.reshape(-1, H)
+            logits = F.linear(x2.float(), router.float())
+            val, idx = logits.topk(K, dim=1)
+            o = disp.dispatch(x2, idx, torch.softmax(val, dim=1))
+            h = mlp(o.tokens, o.tokens_per_expert, router_weights=o.weights)
+            disp.combine(h, o.handle, apply_weights=False).view(x.shape).backward(gy)
+
+        def refresh(mlp=mlp):
+            with torch.no_grad():
+                for w in stacks:
+                    fp8_weight(w)
+                    fp8_weight(w, transposed=True) if mlp.fp8_dgrad else None
+        out.append(Variant(f"FP8GroupedMLP on Dispatcher{suffix}", step, refresh))
+    return out
+
+
+def sync(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn, cuda):
+    sync(cuda)
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def time_group(variants, iters, warmup, cuda):
+    """{name: [ms per iteration]} of fwd+bwd, the variants interleaved in rotating order; a variant
+    that raises is dropped from the group with its error."""
+    times, failed = {v.name: [] for v in variants}, {}
+    for it in range(warmup + iters):
+        live = [v for v in variants if v.name not in failed]
+        shift = it % max(1, len(live))
+        for v in live[shift:] + live[:shift]:
+            try:
+                ms = timed_ms(v.step, cuda)
+            except Exception as e:  # noqa: BLE001  (one row fails, the table goes on)
+                failed[v.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                continue
+            if it >= warmup:
+                times[v.name].append(ms)
+    return times, failed
+
+
+def refresh_ms(v, cuda, n=3):
+    """Median ms to rebuild a variant's cached expert weights after an optimizer step (0: none cached)."""
+    if v.refresh is None:
+        return 0.0
+    out = []
+    for _ in range(n):
+        fp8a2a.invalidate_fp8_weight_cache()
+        out.append(timed_ms(v.refresh, cuda))
+    return statistics.median(out)
+
+
+def drop_caches(*modules):
+    for m in modules:
+        for p in m.parameters():
+            p.__dict__.pop("_fp8a2a_cache", None)
+
+
+SPEC = "fp8_alltoall + fp8_experts_spec"
+
+
+def build_groups(shape, args, cuda, x, gy, rows, keep):
+    """[(FP8 experts options to set first or None, [Variant])]: the variants timed together."""
+    if shape[-1] == "table":
+        vs, router = [], None
+        for vname, (disp, experts, recipe, opts) in (CPU_VARIANTS if args.cpu else VARIANTS).items():
+            try:
+                layer, cfg = make_layer(shape, disp, experts, recipe, opts, cuda)
+                router = layer.router.weight.detach().clone() if router is None else router
+                with torch.no_grad():
+                    layer.router.weight.copy_(router)  # one routing for every row
+                vs.append(layer_variant(vname, layer, cfg, x, gy))
+                keep.append(layer)
+            except Exception as e:  # noqa: BLE001
+                rows[vname] = {"error": f"failed: {type(e).__name__}: {e}"[:300]}
+        return [(None, vs)]
+    # 256 experts, per option: fp8_experts_spec and FP8GroupedMLP (same weights), caches dropped between
+    layer, cfg = make_layer(shape, "fp8_alltoall", "fp8", None, {}, cuda)
+    keep.append(layer)
+    spec = layer_variant(SPEC, layer, cfg, x, gy)
+    refs = grouped_mlp_variants(shape, layer, x, gy, cuda)
+    return [(opts, [Variant(SPEC + suffix, spec.step, spec.refresh), ref])
+            for (suffix, opts), ref in zip(OPTIONS.items(), refs)]
+
+
+def summarize(v, runs, cuda):
+    fails = [f[v.name] for _, f in runs if v.name in f]
+    if fails:
+        return {"error": fails[0]}
+    meds = [statistics.median(t[v.name]) for t, _ in runs]
+    r = {"fwd_bwd_ms": statistics.median(meds), "run_medians_ms": meds, "runs_min_ms": min(meds),
+         "runs_max_ms": max(meds), "iter_min_ms": min(min(t[v.name]) for t, _ in runs),
+         "iter_max_ms": max(max(t[v.name]) for t, _ in runs), "_runs": [t[v.name] for t, _ in runs]}
+    try:
+        r["refresh_ms"] = refresh_ms(v, cuda)
+        r["step_ms"] = {str(n): r["fwd_bwd_ms"] + r["refresh_ms"] / n for n in MICRO_BATCHES}
+    except Exception as e:  # noqa: BLE001
+        r["refresh_error"] = f"failed: {type(e).__name__}: {e}"[:300]
+    return r
+
+
+def run_shape(name, shape, args, cuda):
+    T, E, K, H, Fh, kind = shape
+    g = torch.Generator().manual_seed(0)
+    dev = "cuda" if cuda else "cpu"
+    x = torch.randn(T, 1, H, generator=g).to(dev, torch.bfloat16)
+    gy = (torch.randn(T, 1, H, generator=g) * 0.01).to(dev, torch.bfloat16)
+    rows, keep = {}, []
+    groups = build_groups(shape, args, cuda, x, gy, rows, keep)
+    iters = args.iters if kind == "table" else args.big_iters
+    for opts, vs in groups:
+        if opts is not None:  # the FP8 experts layer of the 256-expert shape, with these options
+            drop_caches(*keep)
+            impl = keep[0].experts._fp8a2a_impl
+            impl.fp8_dgrad, impl.fp8_wgrad = opts.get("fp8_dgrad", False), opts.get("fp8_wgrad", False)
+        runs = [time_group(vs, iters, args.warmup, cuda) for _ in range(args.repeat)]
+        rows.update({v.name: summarize(v, runs, cuda) for v in vs})
+    for vname, r in rows.items():  # ratios per run, then their median
+        if kind == "table":
+            base_name = BASELINE
+        else:
+            base_name = "FP8GroupedMLP on Dispatcher" + vname[len(SPEC):] if vname.startswith(SPEC) else None
+        base = rows.get(base_name) if base_name else None
+        if "error" not in r and base and "error" not in base:
+            r["ratio"] = statistics.median(statistics.median(a) / statistics.median(b)
+                                           for a, b in zip(r["_runs"], base["_runs"]))
+            r["ratio_vs"] = base_name
+    for r in rows.values():
+        r.pop("_runs", None)
+    del keep, groups
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"shape": name, "tokens": T, "experts": E, "topk": K, "hidden": H, "ffn": Fh, "rows": rows}
+
+
+def fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(res):
+    out = []
+    for s in res["shapes"]:
+        out.append(f"\n## {s['shape']} (hidden {s['hidden']}, ffn {s['ffn']}), fwd+bwd ms")
+        out.append(f"{'variant':<48} {'median':>8} {'runs min-max':>15} {'ratio':>7} {'quant/step':>10} "
+                   + " ".join(f"{'step/' + str(n):>8}" for n in MICRO_BATCHES))
+        for name, r in s["rows"].items():
+            if "error" in r:
+                out.append(f"{name:<48} {r['error']}")
+                continue
+            st = r.get("step_ms", {})
+            out.append(f"{name:<48} {fmt(r['fwd_bwd_ms']):>8} {fmt(r['runs_min_ms']) + '-' + fmt(r['runs_max_ms']):>15} "
+                       f"{fmt(r.get('ratio'), '.3f'):>7} {fmt(r.get('refresh_ms')):>10} "
+                       + " ".join(f"{fmt(st.get(str(n))):>8}" for n in MICRO_BATCHES))
+    out.append(f"\nratio: against '{BASELINE}' (the 256-expert shape: against FP8GroupedMLP with the same "
+               f"options, target <= {TARGET}); quant/step: FP8 expert weights rebuilt per optimizer step "
+               f"(TE rows: inside every micro-batch); step/n: fwd+bwd + quant/step / n micro-batches.")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU, no TE (functional only)")
+    ap.add_argument("--iters", type=int, default=None, help="timed iterations per variant (default 20; CPU 2)")
+    ap.add_argument("--big-iters", type=int, default=None, help="same, 256-expert shape (default 10; CPU 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 3; CPU 1)")
+    ap.add_argument("--repeat", type=int, default=1, help="time every shape's table this many times")
+    ap.add_argument("--shapes", default=None, help="comma-separated indices of the shapes to run (default all)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    args.cpu = not cuda
+    args.iters = args.iters or (20 if cuda else 2)
+    args.big_iters = args.big_iters or (10 if cuda else 2)
+    args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+    shapes = list((GPU_SHAPES if cuda else CPU_SHAPES).items())
+    if args.shapes:
+        shapes = [shapes[int(i)] for i in args.shapes.split(",")]
+    import megatron.core
+    fm.register()
+    teardown = world_of_one()
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "megatron_core": getattr(megatron.core, "__version__", None), "args": vars(args), "shapes": []}
+    try:
+        import transformer_engine
+        res["transformer_engine"] = transformer_engine.__version__
+    except ImportError:
+        res["transformer_engine"] = None
+    try:
+        for name, shape in shapes:
+            t0 = time.time()
+            res["shapes"].append(run_shape(name, shape, args, cuda))
+            res["shapes"][-1]["seconds"] = round(time.time() - t0, 1)
+            print(format_table({"shapes": res["shapes"][-1:]}), flush=True)
+    finally:
+        teardown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

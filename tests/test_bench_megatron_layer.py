@@ -1,0 +1,35 @@
+"""benchmarks/bench_megatron_layer.py runs (CPU functional mode, as a subprocess) and writes its table as JSON."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def test_bench_megatron_layer_cpu(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_megatron_layer.py"), "--cpu", "--iters", "2",
+           "--big-iters", "1", "--warmup", "1", "--repeat", "2", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and [s["experts"] for s in res["shapes"]] == [4, 16]
+    table, big = (s["rows"] for s in res["shapes"])
+    assert set(table) == {"fp8_alltoall row + SequentialMLP", "fp8_alltoall + fp8_experts_spec",
+                          "fp8_alltoall + fp8_experts_spec fp8_dgrad", "fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad"}
+    assert len(big) == 6
+    for rows in (table, big):
+        for name, row in rows.items():
+            assert "error" not in row, (name, row)
+            assert len(row["run_medians_ms"]) == 2 and row["runs_min_ms"] <= row["fwd_bwd_ms"] <= row["runs_max_ms"]
+            assert set(row["step_ms"]) == {"1", "8", "32"} and row["refresh_ms"] >= 0
+    for name, row in big.items():  # fp8_experts_spec against FP8GroupedMLP with the same options
+        assert (row.get("ratio_vs") or "").startswith("FP8GroupedMLP") == name.startswith("fp8_alltoall"), name
+    assert table["fp8_alltoall row + SequentialMLP"]["refresh_ms"] == 0  # nothing cached: BF16 experts
+    assert "fp8_alltoall + fp8_experts_spec" in r.stdout  # the table
