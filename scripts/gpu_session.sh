@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh tests     (build, tests/gpu and the CUDA cases of tests/, Megatron on the GPU)
 #   bash scripts/gpu_session.sh bench     (every benchmark; REPEAT=3 runs each three times)
 #   bash scripts/gpu_session.sh kernels   (benchmarks/bench_kernels.py only, REPEAT times)
+#   bash scripts/gpu_session.sh layer     (benchmarks/bench_megatron_layer.py: Megatron's MoELayer under TE recipes)
 #   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL suite and the all-to-all sweep on all of them)
 #   bash scripts/gpu_session.sh conv      (convergence runs, seeds $CONV_SEEDS (default "1 2"); on a machine of
 #                                          several GPUs they run on the last GPU beside the other modes)
@@ -85,6 +86,9 @@ if [[ $mode == *,kernels,* || $mode == *,bench,* ]]; then
   for i in $(seq "$REPEAT"); do
     step "bench_kernels_$i" 90 python3 benchmarks/bench_kernels.py --json "$LOGS/kernels_$i.json"
   done
+fi
+if [[ $mode == *,layer,* || $mode == *,bench,* ]]; then
+  step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" --json "$LOGS/megatron_layer.json"
 fi
 if [[ $mode == *,bench,* ]]; then
   for i in $(seq "$REPEAT"); do
