@@ -8,10 +8,9 @@ Backward reuses the same machinery in the other direction: dispatch backward is 
 the row gradients (BF16 by default) that also carries the router-weight gradients; combine
 backward is a dispatch of dy (FP8 by default) over the cached layout, with no counts exchange.
 """
-import functools
 import math
 import struct
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 import torch
@@ -96,7 +95,7 @@ class _Route:
 
 @dataclass(frozen=True)
 class DispatchHandle(_Route):
-    """What combine and the backward passes need, built once per dispatch after its counts exchange;
+    """What combine and the backward passes need, built in one go per dispatch after its unpack;
     opaque to callers but for dropped, invalid_ids, num_rows and tokens_per_expert_list."""
     dispatcher: "Dispatcher" = None
     hidden: int = 0
@@ -109,28 +108,13 @@ class DispatchHandle(_Route):
     # what this rank sent to each rank, and what it received from each
     send_counts_host: List[List[int]] = field(default_factory=list)
     recv_counts_host: List[List[int]] = field(default_factory=list)
+    send_splits: List[int] = field(default_factory=list)  # rows sent to each rank
+    recv_splits: List[int] = field(default_factory=list)  # rows received from each rank
+    num_rows: int = 0  # expert-major rows N
     tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
     invalid_ids: Optional[torch.Tensor] = None  # capacity mode: out-of-range ids seen (device)
     tokens_received: Optional[torch.Tensor] = None  # capacity mode: real rows per local expert
     weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
-
-    def _splits(self, host):
-        if self.expert_capacity:
-            return [self.rank_capacity] * self.dispatcher.world
-        return [row[CountsCol.ROWS] for row in host]
-
-    @functools.cached_property
-    def send_splits(self) -> List[int]:
-        return self._splits(self.send_counts_host)
-
-    @functools.cached_property
-    def recv_splits(self) -> List[int]:
-        return self._splits(self.recv_counts_host)
-
-    @functools.cached_property
-    def num_rows(self) -> int:
-        """Expert-major rows N."""
-        return sum(self.tokens_per_expert_list)
 
     @property
     def tokens_per_expert_list(self) -> List[int]:
@@ -311,8 +295,8 @@ class Dispatcher:
             self._fail_peers(reduced=False)
             raise
         rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
-        # the handle callers get carries the weights; the one the backward keeps does not (a cycle)
-        handle = replace(layout, weights=weights)
+        # the handle callers get carries the weights; what the backward keeps does not (a cycle)
+        handle = DispatchHandle(**layout, weights=weights)
         if handle.wire == Granularity.RAW:
             tokens = rows
         else:
@@ -432,16 +416,17 @@ class Dispatcher:
         return ops.dispatch_pack(x.detach().contiguous(), route.topk_idx, route.topk_weights,
                                  self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
 
-    def _unpack(self, recv, handle, wire):
-        """dispatch_unpack; a raw (unquantized) wire's rows come back viewed as [N, hidden] handle.dtype."""
+    def _unpack(self, recv, route: _Route, wire, recv_counts, hidden, dtype, num_rows):
+        """dispatch_unpack of `num_rows` expert-major rows; a raw (unquantized) wire's rows come back
+        viewed as [N, hidden] `dtype`."""
         raw = wire == Granularity.RAW
-        hidden = handle.hidden * handle.dtype.itemsize if raw else handle.hidden
-        out = ops.dispatch_unpack(recv, handle.recv_counts.to(recv.device), hidden, wire, handle.topk_idx.shape[1],
-                                  handle.num_rows, handle.rank_capacity, handle.expert_capacity)
-        return (out[0].view(handle.dtype),) + tuple(out[1:]) if raw else out
+        out = ops.dispatch_unpack(recv, recv_counts.to(recv.device), hidden * dtype.itemsize if raw else hidden, wire,
+                                  route.topk_idx.shape[1], num_rows, route.rank_capacity, route.expert_capacity)
+        return (out[0].view(dtype),) + tuple(out[1:]) if raw else out
 
     def _forward(self, x, route: _Route):
-        """(data, scales, weights, tokens per expert, the DispatchHandle of this call)."""
+        """(data, scales, weights, tokens per expert, the DispatchHandle fields of this call but its
+        weights, as a dict)."""
         elem = x.element_size()
         capacity = route.expert_capacity > 0
         # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
@@ -453,24 +438,27 @@ class Dispatcher:
             self._fail_peers()
             raise
         recv_counts = self._exchange_counts(counts)
-        layout = dict(dispatcher=self, hidden=x.shape[1], dtype=x.dtype, tensor_scale=scale, recv_counts=recv_counts,
-                      **{f.name: getattr(route, f.name) for f in fields(_Route)})
         if capacity:
-            return self._forward_static(x, route, layout, send, counts, send_pos)
+            return self._forward_static(x, route, scale, send, counts, send_pos, recv_counts)
         # The one host sync of a dispatch: what we send and what we receive, in one copy.
         host = (counts if self.local else torch.cat([counts, recv_counts])).cpu().tolist()
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
             send, counts, send_pos = self._pack(x, route, wire, packed_scale)
-        handle = DispatchHandle(wire=wire, send_pos=send_pos, send_counts_host=mine, recv_counts_host=theirs, **layout)
-        recv = self._exchange(send, handle.send_splits, handle.recv_splits)
-        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, wire)
-        return data, scale_rows, weights, tpe, replace(handle, slot_pos=slot_pos)
+        send_splits = [row[CountsCol.ROWS] for row in mine]
+        recv_splits = [row[CountsCol.ROWS] for row in theirs]
+        num_rows = sum(sum(row[CountsCol.EXPERTS:]) for row in theirs)
+        recv = self._exchange(send, send_splits, recv_splits)
+        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, route, wire, recv_counts, x.shape[1], x.dtype,
+                                                                   num_rows)
+        layout = dict(vars(route), dispatcher=self, hidden=x.shape[1], dtype=x.dtype, wire=wire, send_pos=send_pos,
+                      slot_pos=slot_pos, recv_counts=recv_counts, send_counts_host=mine, recv_counts_host=theirs,
+                      send_splits=send_splits, recv_splits=recv_splits, num_rows=num_rows, tensor_scale=scale)
+        return data, scale_rows, weights, tpe, layout
 
-    def _forward_static(self, x, route, layout, send, counts, send_pos):
+    def _forward_static(self, x, route, scale, send, counts, send_pos, recv_counts):
         """Capacity mode: fixed splits and a fixed expert-major layout, so nothing is read on the host."""
-        recv_counts = layout["recv_counts"]
         key = (tuple(x.shape), route.topk_idx.shape[1], x.dtype)
         if key not in self._validated_shapes:  # once per new shape: the checks the sync would do
             # out-of-range ids are counted (handle.invalid_ids), on this call as on every later one
@@ -481,11 +469,17 @@ class Dispatcher:
                     raise ValueError(f"fp8a2a: capacity mode needs the same number of tokens on every rank, got "
                                      f"{tokens}")
             self._validated_shapes.add(key)
-        handle = DispatchHandle(wire=self.code, send_pos=send_pos, invalid_ids=counts[0, CountsCol.BAD_IDS], **layout)
-        recv = self._exchange(send, handle.send_splits, handle.recv_splits)
-        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, handle, self.code)
+        splits = [route.rank_capacity] * self.world
+        num_rows = self.world * route.expert_capacity * self.num_local_experts
+        recv = self._exchange(send, splits, splits)
+        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, route, self.code, recv_counts, x.shape[1],
+                                                                   x.dtype, num_rows)
         padded = torch.full_like(tpe, self.world * route.expert_capacity)
-        return data, scale_rows, weights, padded, replace(handle, slot_pos=slot_pos, tokens_received=tpe)
+        layout = dict(vars(route), dispatcher=self, hidden=x.shape[1], dtype=x.dtype, wire=self.code,
+                      send_pos=send_pos, slot_pos=slot_pos, recv_counts=recv_counts, send_splits=splits,
+                      recv_splits=splits, num_rows=num_rows, tensor_scale=scale,
+                      invalid_ids=counts[0, CountsCol.BAD_IDS], tokens_received=tpe)
+        return data, scale_rows, weights, padded, layout
 
     def _agree_on_wire(self, headers, hidden, elem, raise_on_bad_ids=True):
         """Check every rank's header (rows of the counts exchange, as lists: all ranks see all
@@ -550,19 +544,20 @@ def _combine_input_error(expert_out, handle: DispatchHandle) -> Optional[Excepti
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, dispatcher, route):
-        data, scale, weights, tpe, handle = dispatcher._forward(x, route)
-        ctx.handle = handle  # without the weights: they would close a reference cycle through ctx
-        if handle.wire == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
+        data, scale, weights, tpe, layout = dispatcher._forward(x, route)
+        ctx.layout = layout  # without the weights: they would close a reference cycle through ctx
+        if layout["wire"] == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
             placeholder = data.new_empty(0)
             ctx.mark_non_differentiable(placeholder, scale, tpe)
-            return data, weights, placeholder, scale, tpe, handle
-        anchor = x.new_empty(()).expand(handle.num_rows, handle.hidden)  # gradient carrier of the FP8 rows: no memory, never read
+            return data, weights, placeholder, scale, tpe, layout
+        # gradient carrier of the FP8 rows: no memory, never read
+        anchor = x.new_empty(()).expand(layout["num_rows"], layout["hidden"])
         ctx.mark_non_differentiable(data, scale, tpe)
-        return anchor, weights, data, scale, tpe, handle
+        return anchor, weights, data, scale, tpe, layout
 
     @staticmethod
     def backward(ctx, grad_rows, grad_weights, *_):
-        h = ctx.handle
+        h = DispatchHandle(**ctx.layout)
         d = h.dispatcher
         want_w = ctx.needs_input_grad[1] and grad_weights is not None
         if grad_rows is None:
@@ -597,7 +592,8 @@ class _CombineFn(torch.autograd.Function):
         wire = Granularity.RAW if h.wire == Granularity.RAW else Granularity.ROW
         send, _, _ = d._pack(grad_y, h, wire)
         recv = d._exchange(send, h.send_splits, h.recv_splits)
-        data, scale, _, _, _, _ = d._unpack(recv, h, wire)  # raw: data is dy's rows in h.dtype
+        # raw: data is dy's rows in h.dtype
+        data, scale, _, _, _, _ = d._unpack(recv, h, wire, h.recv_counts, h.hidden, h.dtype, h.num_rows)
         raw = wire == Granularity.RAW
         if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
             return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None
