@@ -1,6 +1,7 @@
 """The benchmarks' own logic on the CPU: statistics, bandwidth, crossover, the BF16 baseline's
-semantics, a tiny sweep over 2 gloo ranks (JSON, CSV, PNG, exact wire bytes), the scale model,
-and the kernel and MoE-layer benchmarks at functional sizes (run as programs: tests import no
+semantics, a tiny sweep over 2 gloo ranks (JSON, CSV, PNG, exact wire bytes), host-cost counting
+from synthetic profiler events, the scale model and its measured inputs and error report, and the
+kernel, MoE-layer and dispatch benchmarks at functional sizes (run as programs: tests import no
 benchmark)."""
 import csv
 import importlib.util
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from fp8a2a import ops
-from fp8a2a.bench import baseline, model as bench_model, report, sweep
+from fp8a2a.bench import baseline, costs, model as bench_model, report, sweep
 from fp8a2a.dispatcher import DEFAULT_BF16_BELOW_BYTES
 
 from .distributed import run_ranks
@@ -265,6 +266,45 @@ def test_model_takes_kernel_figures_from_bench_kernels_json(tmp_path):
     path.write_text(json.dumps({"copy_tbps": 4.0, "ops": [{"op": "dispatch_pack", "tbps": 3.0}]}))
     p = bench_model.from_kernels_json(bench_model.Params(), str(path))
     assert p.copy_tbps == 4.0 and p.fp8a2a_kernel_tbps == 3.0 and "k.json" in p.sources["fp8a2a_kernel_tbps"]
+
+
+# ---- host costs from profiler events ---------------------------------------------------------
+
+def _events(*specs):
+    """(name, 'host' | 'dev' | 'note', start_us) -> costs.Event"""
+    return [costs.Event(n, kind != "host", t, kind == "note") for n, kind, t in specs]
+
+
+def test_costs_count_host_syncs_copies_and_kernels_before_the_marker():
+    ev = _events(("aten::index_select", "host", 1), ("cudaLaunchKernel", "host", 2), ("cuLaunchKernel", "host", 3),
+                 ("cudaMemcpyAsync", "host", 4), ("cudaStreamSynchronize", "host", 5),
+                 ("cudaEventSynchronize", "host", 6), ("cudaEventSynchronize_v3020", "host", 7),
+                 ("cudaMemcpy", "host", 8), ("cudaLaunchKernel", "host", 9),
+                 (costs.MARKER, "host", 20), ("cudaDeviceSynchronize", "host", 21),  # the caller's own sync
+                 ("void indexSelectKernel<>", "dev", 3), ("triton_permute", "dev", 4), ("sort_chunks", "dev", 22),
+                 ("Memcpy DtoH (Device -> Pinned)", "dev", 5), ("Memcpy DtoD (Device -> Device)", "dev", 6),
+                 ("Memset (Device)", "dev", 7), ("Stream Sync", "dev", 8), ("my_range", "note", 3))
+    c = costs.count(ev)
+    assert c["marker"] and c["syncs"] == 4  # stream + 2 event + blocking cudaMemcpy; not the final sync
+    assert c["sync_calls"] == {"cudaEventSynchronize": 2, "cudaMemcpy": 1, "cudaStreamSynchronize": 1}
+    assert (c["kernels"], c["copies"], c["d2h"], c["launch_calls"]) == (3, 3, 1, 3)  # device work after it counts
+
+
+def test_costs_without_marker_take_off_the_final_device_sync():
+    ev = _events(("cudaEventSynchronize", "host", 1), ("cudaDeviceSynchronize", "host", 2), ("k", "dev", 1))
+    c = costs.count(ev)
+    assert not c["marker"] and c["syncs"] == 1 and c["sync_calls"] == {"cudaEventSynchronize": 1}
+    assert costs.count([])["syncs"] == 0
+
+
+def test_costs_timing_and_spread_on_the_cpu():
+    calls = []
+    dev, host = costs.time_calls(lambda: calls.append(1), iters=4, warmup=2, cuda=False)
+    assert len(calls) == 6 and len(dev) == len(host) == 4 and all(t >= 0 for t in host)
+    assert costs.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "runs": [3.0, 1.0, 2.0]}
+    assert costs.spread([])["median"] is None
+    if not torch.cuda.is_available():
+        assert costs.profile_call(lambda: None) is None
 
 
 # ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------

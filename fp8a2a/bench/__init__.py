@@ -19,9 +19,9 @@ Experts are the identity (the combine input is the dispatched rows' shape in BF1
 weights are left to the experts on both sides, as Megatron does. It reports median and p10/p90
 time (per iteration, the slowest rank), algorithm and bus bandwidth as nccl-tests defines them
 for alltoall (algbw = bytes a rank sends / time, busbw = algbw * (n-1)/n), the exact wire bytes,
-the speedups, host time per call and kernel launches per call (CUDA, torch.profiler). It writes
-a table, JSON, CSV and a PNG of speedup against message size, finds the crossover below which
-BF16 wins and recommends `bf16_below_bytes`. Without a GPU the numbers are functional only.
+the speedups, host time per call, and per call the kernels and host syncs (CUDA, torch.profiler
+events: fp8a2a.bench.costs). It writes a table, JSON, CSV and a PNG of speedup against message
+size, finds the crossover below which BF16 wins and recommends `bf16_below_bytes`. Without a GPU the numbers are functional only.
 """
 # The parts, imported one way (nothing imports cli):
 #   cli       the command line (__main__ runs it): the sweep, or --model
@@ -29,4 +29,5 @@ BF16 wins and recommends `bf16_below_bytes`. Without a GPU the numbers are funct
 #   baseline  the Megatron-style BF16 dispatcher and the routing both sides get
 #   report    statistics, crossover, recommendation; table, JSON, CSV, PNG
 #   model     the scale model (--model) -> baseline
+#   costs     host syncs, launches, copies from profiler events; back-to-back timing
 #   launch    the sweep's gloo ranks on a CPU machine

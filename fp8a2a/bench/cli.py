@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench_out", help="output folder (default bench_out/)")
     p.add_argument("--json", help="JSON output path (the CSV and PNG go beside it)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--no-profile", action="store_true", help="skip counting kernel launches")
+    p.add_argument("--no-profile", action="store_true", help="skip counting kernels and host syncs")
     p.add_argument("--profile-all", action="store_true", help="count launches at every point (default: the "
                                                               "smallest and largest tokens of each series)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

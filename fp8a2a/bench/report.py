@@ -131,7 +131,7 @@ CSV_COLUMNS = ["series", "hidden", "experts", "topk", "granularity", "tokens", "
     f"{v}_{k}" for v in VARIANTS for k in (
         "dispatch_ms", "dispatch_ms_p10", "dispatch_ms_p90", "combine_ms", "combine_ms_p10", "combine_ms_p90",
         "total_ms", "wire_bytes", "combine_wire_bytes", "algbw_GBps", "busbw_GBps", "host_us", "launches",
-        "copies")] + [
+        "copies", "syncs", "d2h")] + [
     "speedup_dispatch", "speedup_total", "speedup_fp8_vs_bf16_wire_dispatch", "wire_ratio_dispatch"]
 
 
@@ -207,7 +207,7 @@ def _f(v, spec=".2f"):
 def format_table(records) -> str:
     head = (f"{'series':<20}{'T':>6}{'msg':>10} | {'BF16 disp ms [p10,p90]':>24} | {'FP8 disp ms [p10,p90]':>24}"
             f" | {'xdisp':>6}{'xtotal':>7}{'xwire':>6} | {'wire MB bf16/fp8':>17} | {'busbw':>6}"
-            f" | {'host us bf16/fp8':>16} | {'launch':>7}")
+            f" | {'host us bf16/fp8':>16} | {'launch':>7} | {'sync':>5}")
     lines = [head, "-" * len(head)]
     m, f = "megatron_bf16", "fp8a2a_fp8"
     for r in records:
@@ -219,10 +219,11 @@ def format_table(records) -> str:
         wire = f"{_f(_mb(r.get(f'{m}_wire_bytes')))}/{_f(_mb(r.get(f'{f}_wire_bytes')))}"
         host = f"{_f(r.get(f'{m}_host_us'), '.0f')}/{_f(r.get(f'{f}_host_us'), '.0f')}"
         launch = f"{_f(r.get(f'{m}_launches'), 'd')}/{_f(r.get(f'{f}_launches'), 'd')}"
+        syncs = f"{_f(r.get(f'{m}_syncs'), 'd')}/{_f(r.get(f'{f}_syncs'), 'd')}"
         lines.append(f"{r['series']:<20}{r['tokens']:>6}{fmt_bytes(r['msg_bytes']):>10} | {span(m):>24} | "
                      f"{span(f):>24} | {_f(r.get('speedup_dispatch')):>6}{_f(r.get('speedup_total')):>7}"
                      f"{_f(r.get('speedup_fp8_vs_bf16_wire_dispatch')):>6} | {wire:>17} | "
-                     f"{_f(r.get(f'{f}_busbw_GBps'), '.1f'):>6} | {host:>16} | {launch:>7}")
+                     f"{_f(r.get(f'{f}_busbw_GBps'), '.1f'):>6} | {host:>16} | {launch:>7} | {syncs:>5}")
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from .. import ops
 from ..dispatcher import Dispatcher
 from ..wire import CountsCol, Granularity
 from .baseline import MegatronStyleAlltoAll, make_routing
+from .costs import profile_call
 from .report import algbw_gbps, busbw_gbps, summarize
 
 # ------------------------------------------------------------------------------------------
@@ -98,30 +99,18 @@ def _align(device, group, world):
             dist.barrier(group=group)
 
 
-_LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                "cudaLaunchCooperativeKernel", "cudaGraphLaunch")
-_COPY_APIS = ("cudaMemcpyAsync", "cudaMemsetAsync", "cudaMemcpy", "cudaMemset")
-
-
-def count_launches(fn: Callable[[], object], device):
-    """(kernels, memcpy + memset) one call of fn puts on the GPU, by torch.profiler; (None, None)
-    off CUDA or when the profiler fails."""
-    if device.type != "cuda":
-        return None, None
-    try:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize(device)
-        events = list(prof.events())
-        dev = [e for e in events if getattr(getattr(e, "device_type", None), "name", "") == "CUDA"]
-        if dev:
-            copies = sum(1 for e in dev if "Memcpy" in e.name or "Memset" in e.name)
-            return len(dev) - copies, copies
-        # older profilers: count the runtime's launch calls instead
-        return (sum(1 for e in events if e.name in _LAUNCH_APIS), sum(1 for e in events if e.name in _COPY_APIS))
-    except Exception:  # noqa: BLE001 - a missing count must not stop the benchmark
-        return None, None
+def profile_costs(pending, device):
+    """Fill each record's kernels, copies, host syncs and D2H copies per call (costs.profile_call).
+    Run after all timing: the profiler stays attached to CUDA (CUPTI) once used and slows launches.
+    Off CUDA, or where the profiler fails, they stay None (a missing count must not stop the sweep)."""
+    for rec, calls in pending:
+        for name, fn in calls:
+            try:
+                c = profile_call(fn, device) if device.type == "cuda" else None
+            except Exception:  # noqa: BLE001
+                c = None
+            for key, field_ in (("kernels", "launches"), ("copies", "copies"), ("syncs", "syncs"), ("d2h", "d2h")):
+                rec[f"{name}_{field_}"] = (c or {}).get(key)
 
 
 class _Variant:
@@ -201,7 +190,8 @@ def point_seed(seed: int, rank: int, tokens: int) -> int:
 
 
 def run_point(series: Series, tokens: int, dispatchers, device, group, rank, world, iters, warmup,
-              profile_launches=True, seed=0):
+              profile_launches: Optional[list] = None, seed=0):
+    """One record; with a list as profile_launches, the calls to profile are appended to it."""
     hidden, E, K = series.hidden, series.experts, series.topk
     g = torch.Generator(device=device).manual_seed(point_seed(seed, rank, tokens))
     x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
@@ -234,10 +224,11 @@ def run_point(series: Series, tokens: int, dispatchers, device, group, rank, wor
             rec["fp8_wire_format"] = "bf16" if wire == Granularity.RAW else Granularity(wire).label
         ok.append(v)
     _sync(device)
-    for v in ok:
-        rec[f"{v.name}_launches"], rec[f"{v.name}_copies"] = \
-            count_launches(lambda v=v: v.combine(v.dispatch()), device) if profile_launches else (None, None)
     times = _time_variants(ok, iters, warmup, device, group, world)
+    for v in ok:
+        rec.update({f"{v.name}_{k}": None for k in ("launches", "copies", "syncs", "d2h")})
+    if profile_launches is not None:  # counted once the whole sweep is timed (profile_costs)
+        profile_launches.append((rec, [(v.name, lambda v=v: v.combine(v.dispatch())) for v in ok]))
     for v in variants:
         if v.error:
             rec[f"{v.name}_error"] = v.error
@@ -309,7 +300,7 @@ def run_sweep(rank, world, args: SweepArgs, group=None):
     skipped = [s.name for s in series if s.experts % world]
     series = [s for s in series if s.experts % world == 0]
     bar = Progress(len(series) * len(tokens), enabled=(rank == 0 and not args.quiet))
-    records = []
+    records, pending = [], []
     for s in series:
         disp = {"megatron": MegatronStyleAlltoAll(s.experts, group),
                 "raw": Dispatcher(s.experts, group, s.granularity, bf16_below_bytes=1 << 62),
@@ -317,10 +308,11 @@ def run_sweep(rank, world, args: SweepArgs, group=None):
         for t in tokens:
             profile = not args.no_profile and (args.profile_all or t in (min(tokens), max(tokens)))
             records.append(run_point(s, t, disp, device, group, rank, world, iters, warmup,
-                                     profile_launches=profile, seed=args.seed))
+                                     profile_launches=pending if profile else None, seed=args.seed))
             bar.step(f"{s.name} T={t}")
         if cuda:
             torch.cuda.empty_cache()
+    profile_costs(pending, device)
     meta = {"world": world, "backend": dist.get_backend(group) if dist.is_initialized() else "none",
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "functional_only": not cuda, "torch": torch.__version__, "iters": iters, "warmup": warmup,

@@ -1,0 +1,119 @@
+"""What one call costs: host syncs, launches and copies counted from torch.profiler events, and
+its time (device time of calls launched back to back, host time per call). benchmarks/ and the
+all-to-all sweep use these, so both sides of every comparison are counted the same way.
+
+Counting (count(): pure, tested on synthetic events). One call is profiled after warm-up; the
+profile ends with a torch.cuda.synchronize() inside a record_function(MARKER) range, and only host
+events that start before that marker count, so neither the warm-up nor that final sync is seen.
+  syncs     host calls that block on the GPU: cudaStreamSynchronize, cudaEventSynchronize (how
+            megatron-core 0.19 waits for its token counts), cudaDeviceSynchronize, a blocking
+            cudaMemcpy (and their driver-API twins). torch.cuda.set_sync_debug_mode sees only
+            torch's own syncs, not cudaEventSynchronize: this counts what the host actually did.
+  d2h       device-to-host copies: the profiler's "Memcpy DtoH" device events (async or not).
+  kernels   device events that are kernels; copies: Memcpy / Memset device events, apart.
+"""
+import re
+import statistics
+import time
+from collections import Counter
+from typing import Callable, Iterable, List, NamedTuple, Optional, Tuple
+
+MARKER = "fp8a2a.costs.final_sync"
+SYNC_APIS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+             "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH")
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+               "cudaLaunchCooperativeKernel", "cudaGraphLaunch", "cuGraphLaunch")
+_NOT_KERNELS = ("Event Sync", "Stream Sync", "Context Sync", "Stream Wait Event")  # CUPTI sync records
+
+
+class Event(NamedTuple):
+    """One profiler event, reduced to what counting needs."""
+    name: str
+    device: bool  # a GPU-side event (kernel, Memcpy, Memset), not a host call
+    start_us: float
+    annotation: bool = False  # a record_function range (host or its GPU shadow), not work
+
+
+def from_profiler(events) -> List[Event]:
+    """torch.profiler FunctionEvents -> Events."""
+    out = []
+    for e in events:
+        kind = getattr(getattr(e, "device_type", None), "name", "CPU")
+        out.append(Event(e.name, kind != "CPU", float(e.time_range.start),
+                         bool(getattr(e, "is_user_annotation", False))))
+    return out
+
+
+def _api(name: str) -> str:
+    return re.sub(r"_v\d+$", "", name)  # some CUPTI versions suffix the API version
+
+
+def count(events: Iterable[Event], marker: str = MARKER) -> dict:
+    """Syncs, D2H copies, kernels, copies/memsets and host launch calls of one profiled call.
+    Host events from the marker on are the caller's final sync; without a marker, one
+    cudaDeviceSynchronize (that final sync) is taken off instead."""
+    events = list(events)
+    cut = min((e.start_us for e in events if not e.device and e.name == marker), default=None)
+    host = [_api(e.name) for e in events if not e.device and (cut is None or e.start_us < cut)]
+    dev = [e.name for e in events if e.device and not e.annotation and e.name != marker
+           and not e.name.startswith(_NOT_KERNELS)]
+    calls = Counter(n for n in host if n in SYNC_APIS)
+    if cut is None and calls["cudaDeviceSynchronize"]:
+        calls["cudaDeviceSynchronize"] -= 1
+    copies = [n for n in dev if n.startswith(("Memcpy", "Memset"))]
+    return {"syncs": sum(calls.values()), "sync_calls": {k: v for k, v in sorted(calls.items()) if v},
+            "d2h": sum(1 for n in copies if n.startswith("Memcpy DtoH")), "kernels": len(dev) - len(copies),
+            "copies": len(copies), "launch_calls": sum(1 for n in host if n in LAUNCH_APIS),
+            "marker": cut is not None}
+
+
+def profile_call(fn: Callable[[], object], device=None, warmup: int = 1) -> Optional[dict]:
+    """count() of one fn() after `warmup` calls; None off CUDA. Profiler failures propagate."""
+    import torch
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile, record_function
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        with record_function(MARKER):
+            torch.cuda.synchronize(device)
+    return count(from_profiler(prof.events()))
+
+
+TIMING = ("device time: CUDA events around each call, calls launched back to back (no sync between "
+          "calls); host time: perf_counter around each call, no added syncs")
+
+
+def time_calls(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
+               cuda: bool = True) -> Tuple[List[float], List[float]]:
+    """(device ms, host ms) of each of `iters` back-to-back calls (see TIMING); off CUDA the
+    device list is the host wall time per call."""
+    import torch
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)] \
+        if cuda else []
+    host = []
+    for i in range(iters):
+        if cuda:
+            marks[i][0].record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            marks[i][1].record()
+    sync()
+    return ([a.elapsed_time(b) for a, b in marks] if cuda else list(host)), host
+
+
+def spread(values: List[float]) -> dict:
+    """Median and min-max of per-run figures (e.g. run medians), and the runs themselves."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "runs": []}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "runs": vals}
