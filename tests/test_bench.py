@@ -4,6 +4,7 @@ from synthetic profiler events, the scale model and its measured inputs and erro
 kernel, MoE-layer and dispatch benchmarks at functional sizes (run as programs: tests import no
 benchmark)."""
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -252,7 +253,7 @@ def test_model_command_prints_assumptions_table_and_answer(tmp_path):
     run = _bench_command("--model", "--no-measure", "--json", out)
     assert run.returncode == 0, run.stderr
     text = run.stdout
-    assert "assumptions:" in text and "NVLink 450 GB/s" in text and "network 50 GB/s" in text
+    assert "inputs (" in text and "NVLink 450 GB/s" in text and "network 50 GB/s" in text
     assert "answer:" in text and "1024" in text
     doc = json.loads(out.read_text())
     assert [r["ep"] for r in doc["rows"]] == list(bench_model.EP_SIZES) and "params" in doc
@@ -305,6 +306,82 @@ def test_costs_timing_and_spread_on_the_cpu():
     assert costs.spread([])["median"] is None
     if not torch.cuda.is_available():
         assert costs.profile_call(lambda: None) is None
+
+
+# ---- the scale model's measured inputs and its error report -------------------------------------
+
+def _dispatch_doc(fused=True):
+    def point(tokens, meg_ms, fp8_ms):
+        v = {"fp8a2a": {"device_ms": {"median": fp8_ms}}, "megatron": {"device_ms": {"median": meg_ms * 1.5}},
+             "megatron_fused": {"device_ms": {"median": meg_ms}} if fused else {"unavailable": "no TE"}}
+        return {"name": f"ws1-{tokens}", "tokens": tokens, "hidden": 7168, "experts": 256, "topk": 8, "ws1": True,
+                "variants": v}
+    return {"points": [point(4096, 1.8, 0.4), point(128, 0.8, 0.2),
+                       {"name": "x@EP8", "tokens": 4096, "ws1": False, "variants": {}}]}
+
+
+def _alltoall_doc():
+    def rec(tokens, meg, fp8, wire):
+        return {"series": "deepseek-v3", "hidden": 7168, "experts": 256, "topk": 8, "granularity": "row",
+                "tokens": tokens, "msg_bytes": wire, "megatron_bf16_wire_bytes": wire, "megatron_bf16_dispatch_ms": meg,
+                "megatron_bf16_total_ms": 2 * meg, "fp8a2a_fp8_wire_bytes": wire / 3, "fp8a2a_fp8_dispatch_ms": fp8,
+                "fp8a2a_fp8_total_ms": 2 * fp8}
+    return {"meta": {"world": 2}, "records": [rec(128, 2.0, 0.6, 1e7), rec(4096, 2.0, 0.7, 4e8),
+                                              dict(rec(4096, 2.0, 0.7, 4e8), granularity="block128")]}
+
+
+def test_model_takes_fixed_costs_and_megatron_bandwidth_from_bench_dispatch_json(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(_dispatch_doc()))
+    p = bench_model.from_dispatch_json(bench_model.Params(), str(path))
+    assert p.megatron_overhead_us == pytest.approx(400) and p.fp8a2a_overhead_us == pytest.approx(100)
+    row, crow = bench_model._row_bytes(7168, 8)
+    b = [sum(bench_model.kernel_bytes(t, 7168, 8, 1, 256, row, crow)[k] for k in ("megatron_dispatch",
+                                                                                "megatron_combine")) for t in (128, 4096)]
+    assert p.megatron_kernel_tbps == pytest.approx((b[1] - b[0]) / 1.0e-3 / 1e12)
+    assert all(p.sources[k].startswith("measured: ") and "megatron_fused" in p.sources[k]
+               for k in ("megatron_overhead_us", "megatron_kernel_tbps"))
+    path.write_text(json.dumps(_dispatch_doc(fused=False)))  # no TE in that run: the unfused row, said so
+    p = bench_model.from_dispatch_json(bench_model.Params(), str(path))
+    assert p.megatron_overhead_us == pytest.approx(600) and "megatron_fused unavailable" in p.sources[
+        "megatron_overhead_us"]
+
+
+def test_model_link_bound_and_error_against_the_ep2_run(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(_alltoall_doc()))
+    link = bench_model.link_from_alltoall(_alltoall_doc())
+    assert link["gbps"] == pytest.approx(4e8 / 2 / 2e-3 / 1e9) and link["variant"] == "megatron_bf16"
+    assert (link["pairs"], link["grew"]) == (2, 1)  # fp8a2a grew 0.6 -> 0.7 ms, Megatron did not
+    p = bench_model.Params()
+    assert bench_model.from_alltoall_json(p, str(path))["gbps"] == link["gbps"]
+    assert p.nvlink_gbps == 450 and p.sources["nvlink_gbps"].startswith("assumed: ")  # a bound below it
+    fast = bench_model.Params(nvlink_gbps=50)
+    bench_model.from_alltoall_json(fast, str(path))
+    assert fast.nvlink_gbps == pytest.approx(link["gbps"]) and fast.sources["nvlink_gbps"].startswith("measured")
+    rows = bench_model.check_against(p, str(path))
+    assert [r["tokens"] for r in rows] == [128, 4096]  # row granularity only
+    want = bench_model.project(dataclasses.replace(p, tokens=4096), [2])[0]
+    r = rows[1]
+    assert r["fp8a2a_predicted_ms"] == pytest.approx(want["dispatch_ms_fp8a2a"] + want["combine_ms_fp8a2a"])
+    assert r["fp8a2a_error"] == pytest.approx(r["fp8a2a_predicted_ms"] / 1.4 - 1)
+    assert r["megatron_error"] == pytest.approx(r["megatron_predicted_ms"] / 4.0 - 1)
+    text = bench_model.format_check(rows, str(path))
+    assert "EP=2" in text and "mean |error|" in text and "at the largest (deepseek-v3, 4096 tokens)" in text
+
+
+def test_model_command_labels_every_input_and_reports_its_error(tmp_path):
+    d, a = tmp_path / "d.json", tmp_path / "a.json"
+    d.write_text(json.dumps(_dispatch_doc()))
+    a.write_text(json.dumps(_alltoall_doc()))
+    run = _bench_command("--model", "--no-measure", "--dispatch-json", d, "--alltoall-json", a, "--json",
+                         tmp_path / "m.json")
+    assert run.returncode == 0, run.stderr
+    inputs = run.stdout.split("inputs")[1].split("\n\n")[0].splitlines()[1:]
+    assert inputs and all("measured" in ln or "assumed" in ln or "no overlap" in ln for ln in inputs), inputs
+    assert "PROJECTION" in run.stdout and "model check against" in run.stdout
+    doc = json.loads((tmp_path / "m.json").read_text())
+    assert len(doc["check"]) == 2 and doc["params"]["megatron_overhead_us"] == pytest.approx(400)
 
 
 # ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------

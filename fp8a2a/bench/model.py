@@ -10,18 +10,22 @@ at 1000+ GPUs, and what fp8a2a gets back. Per rank and per all-to-all direction:
   links     uniform routing: 1/n of the bytes stay on the GPU, (g-1)/n cross NVLink, (n-g)/n
             the network (g GPUs per node); NVLink and network run at once, so the exchange takes
             latency + max(NVLink bytes / NVLink bandwidth, network bytes / network bandwidth).
-  kernels   launch/host overhead + the bytes the local kernels read and write / their bandwidth
-            (Megatron: permute, sort_chunks, unpermute; fp8a2a: pack, unpack; hand FP8: Megatron's
-            kernels on FP8 rows plus eager quantize and dequantize), measured here on a GPU
-            (world size 1, two sizes, a line fit), else the built-in H200 defaults.
+  kernels   fixed cost + the bytes the local kernels read and write / their bandwidth (Megatron:
+            permute, sort_chunks, unpermute; fp8a2a: pack, unpack; hand FP8: Megatron's kernels on
+            FP8 rows plus eager quantize and dequantize). Inputs, best first: the same session's
+            measurements (--dispatch-json: each side's fixed cost = half its dispatch + combine at
+            128 tokens, world size 1, and Megatron's bandwidth from 128 -> 4096 tokens; --kernels-json:
+            copy and dispatch_pack bandwidths), else measured here on a GPU, else the built-in H200
+            defaults. --alltoall-json (an EP=2 run of this benchmark) bounds the link bandwidth and
+            is what the model is checked against: predicted vs measured, % error.
   layer     MoE layer forward + backward = expert GEMMs (BF16 or FP8 rates) + 4 all-to-alls
             (dispatch, combine, and their backwards), not overlapped.
-Every assumption is printed with the table.
+Every input is printed with the table, labelled "measured: <where>" or "assumed: <why>".
 """
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -52,12 +56,16 @@ def add_arguments(p):
     g.add_argument("--model-topk", type=int, default=8)
     g.add_argument("--kernels-json", help="benchmarks/bench_kernels.py --json output: take the copy and "
                                           "dispatch_pack bandwidths from it")
+    g.add_argument("--dispatch-json", help="benchmarks/bench_dispatch.py --json output: each side's fixed cost "
+                                           "and Megatron's kernel bandwidth")
+    g.add_argument("--alltoall-json", help="an EP>1 run of `python -m fp8a2a.bench --json`: the link's lower "
+                                           "bound, and the measurement the model is checked against")
     g.add_argument("--no-measure", action="store_true", help="measure nothing: the built-in H200 defaults")
 
 # The built-in H200 defaults: what the model assumes where nothing is measured (--no-measure, no
-# GPU); BENCHMARKS.md has the measurements behind them. Kernel bandwidths are shares of a device
-# copy's; overheads are host + launch time per direction (Megatron's: half of one dispatch + combine
-# at the smallest size).
+# GPU, no JSON); BENCHMARKS.md has the measurements behind them (2026-11, before issue 17). Kernel
+# bandwidths are shares of a device copy's; overheads are host + launch time per direction
+# (Megatron's: half of one dispatch + combine at the smallest size).
 H200_COPY_TBPS = 4.25
 H200_MEGATRON_COPY_SHARE = 0.75
 H200_FP8A2A_COPY_SHARE = 0.9
@@ -209,7 +217,7 @@ def measure(params: Params) -> Params:
     P = params
     dev = torch.device("cuda", torch.cuda.current_device())
     P.copy_tbps = 2 * (256 << 20) / (_copy_ms(256 << 20, dev) / 1e3) / 1e12
-    P.sources["copy_tbps"] = "measured (device copy of 256 MiB)"
+    P.sources["copy_tbps"] = "measured: this GPU (device copy of 256 MiB)"
     H, E, K = P.hidden, P.experts, P.topk
     row, crow = _row_bytes(H, K)
     mega_pts, fp8_pts = [], []
@@ -229,20 +237,20 @@ def measure(params: Params) -> Params:
                 return d.combine(y[:out.handle.num_rows], out.handle, apply_weights=False)
             fp8_pts.append((b["fp8a2a_dispatch"] + b["fp8a2a_combine"], cuda_median_ms(fp8_call)))
         except (NotImplementedError, RuntimeError) as e:
-            P.sources["fp8a2a_kernel_tbps"] = f"assumed (fp8a2a ops failed on this GPU: {str(e).splitlines()[0][:80]})"
+            P.sources["fp8a2a_kernel_tbps"] = f"assumed: fp8a2a ops failed on this GPU ({str(e).splitlines()[0][:80]})"
     fit = _fit(*mega_pts[0], *mega_pts[1])
     if fit:
         P.megatron_kernel_tbps, ovh = fit
         P.megatron_overhead_us = ovh / 2
         P.sources["megatron_kernel_tbps"] = P.sources["megatron_overhead_us"] = \
-            "measured (Megatron-style BF16 path, world size 1, 128 and 4096 tokens, line fit)"
+            "measured: this GPU (Megatron-style BF16 path, world size 1, 128 and 4096 tokens, line fit)"
     if len(fp8_pts) == 2:
         fit = _fit(*fp8_pts[0], *fp8_pts[1])
         if fit:
             P.fp8a2a_kernel_tbps, ovh = fit
             P.fp8a2a_overhead_us = ovh / 2
             P.sources["fp8a2a_kernel_tbps"] = P.sources["fp8a2a_overhead_us"] = \
-                "measured (fp8a2a FP8 dispatch + combine, world size 1, 128 and 4096 tokens, line fit)"
+                "measured: this GPU (fp8a2a FP8 dispatch + combine, world size 1, 128 and 4096 tokens, line fit)"
     return P
 
 
@@ -252,32 +260,170 @@ def from_kernels_json(params: Params, path: str) -> Params:
     ops = {r["op"]: r for r in doc.get("ops", [])}
     if doc.get("copy_tbps"):
         params.copy_tbps = doc["copy_tbps"]
-        params.sources["copy_tbps"] = f"from {path}"
+        params.sources["copy_tbps"] = f"measured: {path} (device copy)"
     if ops.get("dispatch_pack", {}).get("tbps"):
         params.fp8a2a_kernel_tbps = ops["dispatch_pack"]["tbps"]
-        params.sources["fp8a2a_kernel_tbps"] = f"from {path} (dispatch_pack)"
+        params.sources["fp8a2a_kernel_tbps"] = f"measured: {path} (dispatch_pack)"
     return params
+
+
+def _median(doc_point, variant):
+    v = (doc_point or {}).get("variants", {}).get(variant, {})
+    return (v.get("device_ms") or {}).get("median")
+
+
+def from_dispatch_json(params: Params, path: str) -> Params:
+    """Fixed costs (both sides) and Megatron's kernel bandwidth from bench_dispatch.py's JSON: its
+    world-size-1 points at 128 and 4096 tokens (median device time of dispatch + combine)."""
+    with open(path) as f:
+        doc = json.load(f)
+    ws1 = {p["tokens"]: p for p in doc.get("points", []) if p.get("ws1")}
+    small, large = ws1.get(min(ws1, default=0)), ws1.get(max(ws1, default=0))
+    for side, names in (("megatron", ("megatron_fused", "megatron")), ("fp8a2a", ("fp8a2a",))):
+        name = next((n for n in names if _median(small, n) is not None), None)
+        if name is None:
+            continue
+        t_small = _median(small, name)
+        why = "" if name == names[0] else f"; {names[0]} unavailable there"
+        setattr(params, f"{side}_overhead_us", t_small * 1e3 / 2)
+        params.sources[f"{side}_overhead_us"] = (
+            f"measured: {path} ({name}: half of dispatch + combine at {small['tokens']} tokens, world size 1, "
+            f"median device time{why})")
+        t_large = _median(large, name)
+        if side == "megatron" and large is not small and t_large is not None and t_large > t_small:
+            def nbytes(p):
+                row, crow = _row_bytes(p["hidden"], p["topk"])
+                b = kernel_bytes(p["tokens"], p["hidden"], p["topk"], 1, p["experts"], row, crow)
+                return b["megatron_dispatch"] + b["megatron_combine"]
+            params.megatron_kernel_tbps = (nbytes(large) - nbytes(small)) / ((t_large - t_small) / 1e3) / 1e12
+            params.sources["megatron_kernel_tbps"] = (
+                f"measured: {path} ({name}: kernel bytes / time, {small['tokens']} -> {large['tokens']} tokens, "
+                f"world size 1)")
+    return params
+
+
+A2A_VARIANTS = ("megatron_bf16", "fp8a2a_bf16", "fp8a2a_fp8")
+
+
+def link_from_alltoall(doc) -> Optional[dict]:
+    """What an EP=n run of this benchmark says about the link: the highest rate seen, bytes crossing
+    the link ((n-1)/n of what a rank sends) / dispatch time, at its largest messages: a lower bound,
+    since the time also holds each dispatcher's kernels and host costs. `grew`: in how many
+    (series, variant) pairs the dispatch time grew from the fewest to the most tokens."""
+    n, recs = doc["meta"]["world"], doc.get("records", [])
+    if n < 2 or not recs:
+        return None
+    best, pairs, grew = None, 0, 0
+    for r in recs:
+        for v in A2A_VARIANTS:
+            b, t = r.get(f"{v}_wire_bytes"), r.get(f"{v}_dispatch_ms")
+            if b and t:
+                gbps = b * (n - 1) / n / (t / 1e3) / 1e9
+                if best is None or gbps > best["gbps"]:
+                    best = {"gbps": gbps, "variant": v, "series": r["series"], "tokens": r["tokens"]}
+    for s in {r["series"] for r in recs}:
+        rs = sorted((r for r in recs if r["series"] == s), key=lambda r: r["tokens"])
+        for v in A2A_VARIANTS:
+            lo, hi = rs[0].get(f"{v}_dispatch_ms"), rs[-1].get(f"{v}_dispatch_ms")
+            if lo is not None and hi is not None and len(rs) > 1:
+                pairs, grew = pairs + 1, grew + (hi > lo)
+    return best and dict(best, world=n, pairs=pairs, grew=grew)
+
+
+def from_alltoall_json(params: Params, path: str) -> Optional[dict]:
+    """The link: NVLink stays at its assumed rate unless the run's lower bound exceeds it."""
+    with open(path) as f:
+        link = link_from_alltoall(json.load(f))
+    if link is None:
+        return None
+    seen = (f"{path}: >= {link['gbps']:.0f} GB/s ({link['variant']}, {link['series']}, {link['tokens']} tokens, "
+            f"EP={link['world']}: bytes crossing the link / dispatch time, which holds the dispatcher's own costs "
+            f"too); dispatch time grew with tokens in {link['grew']} of {link['pairs']} series x variants")
+    if link["gbps"] > params.nvlink_gbps:
+        params.nvlink_gbps = link["gbps"]
+        params.sources["nvlink_gbps"] = f"measured lower bound: {seen}"
+    else:
+        params.sources["nvlink_gbps"] = f"assumed: H200 NVLink per direction; the run bounds it from below, {seen}"
+    return link
+
+
+def check_against(params: Params, path: str) -> List[dict]:
+    """The model's dispatch + combine time at each point of an EP=n run (its row-granularity series),
+    predicted vs measured: fp8a2a FP8 vs fp8a2a_fp8, Megatron vs megatron_bf16 (fp8a2a.bench's
+    Megatron-style BF16 path)."""
+    with open(path) as f:
+        doc = json.load(f)
+    n, out = doc["meta"]["world"], []
+    for r in doc.get("records", []):
+        if r.get("granularity", "row") != "row":
+            continue
+        P = replace(params, tokens=r["tokens"], hidden=r["hidden"], experts=r["experts"], topk=r["topk"],
+                    gpus_per_node=max(params.gpus_per_node, n))
+        pr = project(P, [n])[0]
+        row = {"series": r["series"], "tokens": r["tokens"], "ep": n, "msg_bytes": r.get("msg_bytes") or 0}
+        for side, meas in (("megatron", "megatron_bf16_total_ms"), ("fp8a2a", "fp8a2a_fp8_total_ms")):
+            m, p = r.get(meas), pr[f"dispatch_ms_{side}"] + pr[f"combine_ms_{side}"]
+            row.update({f"{side}_measured_ms": m, f"{side}_predicted_ms": p,
+                        f"{side}_error": None if not m else p / m - 1})
+        out.append(row)
+    return out
+
+
+def format_check(rows: List[dict], path: str) -> str:
+    if not rows:
+        return f"model check: no row-granularity points in {path}"
+    out = [f"model check against the largest multi-GPU measurement here: {path} (EP={rows[0]['ep']}), "
+           "dispatch + combine ms, predicted by this model vs measured",
+           f"{'series':<16}{'T':>6} | {'Megatron meas':>13}{'pred':>7}{'err':>7} | {'fp8a2a meas':>11}{'pred':>7}"
+           f"{'err':>7}"]
+    for r in rows:
+        m, f = "megatron", "fp8a2a"
+        out.append(f"{r['series']:<16}{r['tokens']:>6} | {_f(r[f'{m}_measured_ms'], '13.3f')}"
+                   f"{r[f'{m}_predicted_ms']:>7.3f}{_f(r[f'{m}_error'], '+7.0%')} | "
+                   f"{_f(r[f'{f}_measured_ms'], '11.3f')}{r[f'{f}_predicted_ms']:>7.3f}{_f(r[f'{f}_error'], '+7.0%')}")
+    largest = max(rows, key=lambda r: (r["msg_bytes"], r["tokens"]))
+    for side in ("megatron", "fp8a2a"):
+        errs = [abs(r[f"{side}_error"]) for r in rows if r[f"{side}_error"] is not None]
+        if errs:
+            at = _f(largest[f"{side}_error"], "+.0%")
+            out.append(f"  {side}: mean |error| {sum(errs) / len(errs):.0%} over {len(errs)} points, {at} at the "
+                       f"largest ({largest['series']}, {largest['tokens']} tokens)")
+    out.append("  the measured Megatron side is fp8a2a.bench's Megatron-style BF16 path (unfused, plain torch, one "
+               "host sync per dispatch); the model's Megatron fixed cost is whatever its input says (above)")
+    return "\n".join(out)
+
+
+def _f(v, spec):
+    width = "".join(c for c in spec.split(".")[0] if c.isdigit()) or "0"
+    return f"{'-':>{width}}" if v is None else format(v, spec)
 
 
 # ------------------------------------------------------------------------------------------
 # output
 
+ASSUMED = "assumed: built-in H200 default"
+
+
 def format_report(params: Params, rows: List[dict]) -> str:
     P = params
-    out = ["fp8a2a scale model: one MoE layer per rank, uniform top-k routing (a projection, not a measurement)",
-           "assumptions:",
+    src = lambda k: P.sources.get(k, ASSUMED)  # noqa: E731
+    out = ["fp8a2a scale model: one MoE layer per rank, uniform top-k routing (a PROJECTION, not a measurement)",
+           "inputs (each labelled measured: <where> or assumed: <why>):",
            f"  model: {P.tokens} tokens/rank, hidden {P.hidden}, expert ffn {P.ffn} (swiglu), {P.experts} experts "
-           f"(at least one per rank: max(experts, EP)), top-{P.topk}",
-           f"  links: {P.gpus_per_node} GPUs/node, NVLink {P.nvlink_gbps:g} GB/s/GPU, network {P.net_gbps:g} GB/s/GPU "
-           f"(per direction, concurrent); all-to-all latency {P.latency_us:g} us + {P.per_peer_us:g} us per peer",
-           f"  GEMMs: BF16 {P.gemm_bf16_tflops:g}, FP8 {P.gemm_fp8_tflops:g} TFLOP/s (built-in H200 defaults: grouped GEMM)"]
+           f"(at least one per rank: max(experts, EP)), top-{P.topk} (assumed: the projected model)",
+           f"  links: {P.gpus_per_node} GPUs/node (assumed); NVLink {P.nvlink_gbps:g} GB/s/GPU ({src('nvlink_gbps')}); "
+           f"network {P.net_gbps:g} GB/s/GPU (assumed: one 400 Gb/s NIC per GPU); per direction, concurrent; "
+           f"all-to-all latency {P.latency_us:g} us + {P.per_peer_us:g} us per peer (assumed)",
+           f"  GEMMs: BF16 {P.gemm_bf16_tflops:g}, FP8 {P.gemm_fp8_tflops:g} TFLOP/s ({ASSUMED}: grouped GEMM)"]
     for k in ("copy_tbps", "megatron_kernel_tbps", "fp8a2a_kernel_tbps", "eager_quant_tbps"):
-        out.append(f"  {k}: {getattr(P, k):.2f} TB/s ({P.sources.get(k, 'assumed: the built-in H200 defaults')})")
+        out.append(f"  {k}: {getattr(P, k):.2f} TB/s ({src(k)})")
     for k in ("megatron_overhead_us", "fp8a2a_overhead_us", "hand_fp8_extra_us"):
-        out.append(f"  {k}: {getattr(P, k):.0f} us per direction ({P.sources.get(k, 'assumed')})")
+        out.append(f"  {k}: {getattr(P, k):.0f} us per direction ({src(k)})")
+    if "note" in P.sources:
+        out.append(f"  note: {P.sources['note']}")
     out.append("  no overlap of communication with compute; routing balanced; no node-level dedup")
     out.append("")
-    out.append("dispatch, per rank:")
+    out.append("dispatch, per rank (projection):")
     h = (f"{'EP':>5}{'nodes':>6}{'exp/rk':>7}{'inter':>7}{'ranks/tok':>10} | {'KB/token bf16':>13}{'fp8a2a':>8}"
          f"{'ratio':>7} | {'ms bf16':>8}{'hand fp8':>9}{'fp8a2a':>8}{'speedup':>8}")
     out += [h, "-" * len(h)]
@@ -288,7 +434,7 @@ def format_report(params: Params, rows: List[dict]) -> str:
                    f"{r['dispatch_ms_megatron']:>8.2f}{r['dispatch_ms_hand_fp8']:>9.2f}{r['dispatch_ms_fp8a2a']:>8.2f}"
                    f"{r['dispatch_speedup_fp8a2a']:>8.2f}")
     out.append("")
-    out.append("MoE layer forward + backward, per rank: speedup of FP8 training over BF16 training")
+    out.append("MoE layer forward + backward, per rank: speedup of FP8 training over BF16 training (projection)")
     h = (f"{'EP':>5} | {'GEMM ms bf16':>12}{'fp8':>6} | {'a2a ms bf16':>11}{'fp8a2a':>7}{'a2a share':>10} | "
          f"{'FP8 GEMM + bf16 a2a':>19}{'+ hand fp8 a2a':>15}{'+ fp8a2a':>9}")
     out += [h, "-" * len(h)]
@@ -310,7 +456,7 @@ def answer(rows: List[dict], params: Optional[Params] = None) -> str:
     ratio = f"{P.nvlink_gbps / P.net_gbps:.0f}x slower than NVLink"
     hand_loses = [r["ep"] for r in rows if r["layer_speedup_fp8_gemm_hand_fp8_a2a"] < r["layer_speedup_fp8_gemm_bf16_a2a"]]
     lines = [
-        "answer: why the FP8 speedup fades at 1000+ GPUs, and what fp8a2a recovers",
+        "answer: why the FP8 speedup fades at 1000+ GPUs, and what fp8a2a recovers (from the projection above)",
         f"- FP8 GEMMs alone speed the MoE layer up {first['layer_speedup_fp8_gemm_bf16_a2a']:.2f}x at EP={first['ep']}, "
         f"{small['layer_speedup_fp8_gemm_bf16_a2a']:.2f}x at EP={small['ep']} and "
         f"{last['layer_speedup_fp8_gemm_bf16_a2a']:.2f}x at EP={last['ep']}: the all-to-all stays BF16, and its share "
@@ -342,13 +488,18 @@ def params_from_args(args) -> Params:
     P = Params(tokens=args.model_tokens, hidden=args.model_hidden, ffn=args.model_ffn, experts=args.model_experts,
                topk=args.model_topk, gpus_per_node=args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
                net_gbps=args.net_gbps)
-    if not args.no_measure and torch.cuda.is_available():
+    session = args.kernels_json or args.dispatch_json  # the session's own measurements beat measuring again
+    if not args.no_measure and not session and torch.cuda.is_available():
         try:
             measure(P)
         except Exception as e:  # noqa: BLE001 - keep the projection with the assumed costs
             P.sources["note"] = f"measurement failed: {e}"
+    if args.dispatch_json:
+        from_dispatch_json(P, args.dispatch_json)
     if args.kernels_json:
         from_kernels_json(P, args.kernels_json)
+    if args.alltoall_json:
+        from_alltoall_json(P, args.alltoall_json)
     return P
 
 
@@ -358,13 +509,17 @@ def run(args, out=None) -> List[dict]:
     P = params_from_args(args)
     rows = project(P, args.ep)
     print(format_report(P, rows), file=out)
-    if not torch.cuda.is_available() and not args.kernels_json:
-        print("(no GPU here: kernel costs are the built-in H200 defaults; run on a GPU, or pass --kernels-json)",
-              file=out)
+    check = check_against(P, args.alltoall_json) if args.alltoall_json else None
+    print("", file=out)
+    print(format_check(check, args.alltoall_json) if check is not None else
+          "model check: none (no multi-GPU measurement given: --alltoall-json results/alltoall_ep2.json)", file=out)
+    if not torch.cuda.is_available() and not (args.kernels_json or args.dispatch_json):
+        print("(no GPU here: kernel costs are the built-in H200 defaults; run on a GPU, or pass --kernels-json "
+              "and --dispatch-json)", file=out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "fp8a2a scale model (python -m fp8a2a.bench --model)",
-                       "params": asdict(P), "rows": rows, "answer": answer(rows, P),
+            json.dump({"benchmark": "fp8a2a scale model (python -m fp8a2a.bench --model): a projection",
+                       "params": asdict(P), "rows": rows, "answer": answer(rows, P), "check": check,
                        "time": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
         print(f"wrote {args.json}", file=out)
     return rows
