@@ -1,18 +1,36 @@
-"""fp8a2a dispatch + combine against megatron-core's MoEAlltoAllTokenDispatcher (BF16), same run.
+"""fp8a2a dispatch + combine against megatron-core's `alltoall` dispatcher at its best realistic
+configuration, same run, one GPU (world size 1).
 
-On one GPU (world size 1): on-GPU time, host time per call, kernel launches and host syncs per
-call, peak memory, exact wire bytes (and the bytes an 8-rank EP group would move for the same
-routing). Also fp8a2a's capacity mode replayed from a CUDA graph at the small size.
+Variants, per point (a row that cannot be built or captured says "unavailable: <reason>"):
+  dropless  megatron_fused      MoEAlltoAllTokenDispatcher with moe_permute_fusion (TE's fused permute)
+            megatron            the same without moe_permute_fusion
+            fp8a2a              fp8a2a.Dispatcher, FP8 wire (bf16_below_bytes=0)
+  capacity  megatron_pad        Megatron's drop-and-pad (moe_expert_capacity_factor=1.0 +
+                                moe_pad_expert_input_to_capacity; permute fusion when TE imports), eager
+            megatron_pad_graph  the same, replayed from a CUDA graph (where it captures)
+            fp8a2a_cap          fp8a2a capacity mode (capacity_factor=1.0), eager
+            fp8a2a_cap_graph    the same, replayed from a CUDA graph
+Megatron's drop runs in its router (apply_router_token_dropping), once, outside the timing;
+fp8a2a's is inside its dispatch. No expert compute on either side (a fixed tensor of the
+dispatched rows' shape goes to combine). Ratios: fp8a2a / Megatron, per run, eager vs eager and
+graph vs graph.
 
-    python benchmarks/bench_dispatch.py [--json OUT.json]
-Needs CUDA; the Megatron baseline needs megatron-core (skipped with a message otherwise).
+Timing: see costs.TIMING (device time of calls launched back to back, not wall time from an idle
+GPU). --repeat N runs the whole measurement N times in one process, the variants' order rotating
+from run to run; per run the median over --iters calls; every figure is the median [min-max] of
+the run medians. Host syncs, D2H copies, kernels and copies/memsets: fp8a2a.bench.costs, from
+torch.profiler events of one call after warm-up.
+
+    python benchmarks/bench_dispatch.py [--repeat 3] [--json OUT.json]
+    python benchmarks/bench_dispatch.py --cpu     functional only: tiny shapes, no CUDA
+Needs megatron-core for the Megatron rows and TransformerEngine for moe_permute_fusion.
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,48 +38,190 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fp8a2a  # noqa: E402
 from fp8a2a import ops  # noqa: E402
-from fp8a2a.timing import capture_cuda_graph, cuda_median_ms  # noqa: E402
+from fp8a2a.bench import costs  # noqa: E402
+from fp8a2a.timing import capture_cuda_graph  # noqa: E402
 
-POINTS = [dict(tokens=4096, hidden=7168, experts=256, topk=8), dict(tokens=128, hidden=7168, experts=256, topk=8)]
+EMULATION = (
+    "EP=n rows emulate one rank of an EP=n run at world size 1, its expert side: with balanced routing "
+    "the rank receives T*K rows (T tokens per rank, top-K) for its L = E/n local experts. Here num_experts = L, "
+    "top-k k = min(K, L) and T*K/k tokens: the same rows on the same experts. Not emulated: the exchange; "
+    "the send side's routing over all E experts (Megatron permutes with a [T, E] map, here [T*K/k, L]) and "
+    "Megatron's sort over n*L chunks (L here); fp8a2a's one row per token and destination rank (about 5.3 "
+    "rows per token for DeepSeek-V3 at EP=8, 1 here). Both sides lose the same exchange; the rows measure "
+    "each dispatcher's local kernels and host costs at that run's expert-side shape.")
+WS1 = [dict(name="ws1-4096", tokens=4096, hidden=7168, experts=256, topk=8, ws1=True, emulates="world size 1"),
+       dict(name="ws1-128", tokens=128, hidden=7168, experts=256, topk=8, ws1=True, emulates="world size 1")]
+EP_RUNS = [("deepseek-v3", 4096, 7168, 256, 8, 8), ("deepseek-v3", 4096, 7168, 256, 8, 32),
+           ("qwen3-235b", 4096, 4096, 128, 8, 8), ("mixtral-8x7b", 4096, 4096, 8, 2, 8)]
+VARIANTS = ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph", "fp8a2a_cap",
+            "fp8a2a_cap_graph"]
+RATIOS = [("fp8a2a", "megatron_fused"), ("fp8a2a", "megatron"), ("fp8a2a_cap", "megatron_pad"),
+          ("fp8a2a_cap_graph", "megatron_pad_graph")]
+CAPACITY_FACTOR = 1.0
 
 
-def routing(tokens, experts, topk, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = torch.randn(tokens, experts, device="cuda", generator=g)
+def ep_point(model, tokens, hidden, experts, topk, ep):
+    """One rank's expert side of an EP=ep run, at world size 1 (EMULATION)."""
+    local = experts // ep
+    k = min(topk, local)
+    return dict(name=f"{model}@EP{ep}", tokens=tokens * topk // k, hidden=hidden, experts=local, topk=k, ws1=False,
+                emulates=f"EP={ep}: {tokens} tokens/rank, top-{topk} of {experts} experts, {local} local")
+
+
+POINTS = WS1 + [ep_point(*r) for r in EP_RUNS]
+
+
+def routing(tokens, experts, topk, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(tokens, experts, device=device, generator=g)
     w, idx = torch.topk(logits.softmax(-1), topk, dim=-1)
     return idx, w / w.sum(-1, keepdim=True)
 
 
-def host_time(fn, iters=50):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / iters * 1e3
+class Variant:
+    def __init__(self, name):
+        self.name, self.label, self.fn, self.unavailable, self.graph = name, name, None, None, False
+        self.device_ms, self.host_ms, self.costs, self.peak_mib = [], [], None, None
+
+    def build(self, make):
+        """make() -> (fn, label), then one trial call; any failure makes the row unavailable with its reason."""
+        try:
+            self.fn, self.label = make()
+            self.fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot be built or run is a row, not a crash
+            self.unavailable = _reason(e)
+            self.fn = None
+
+    def record(self):
+        out = {"label": self.label}
+        if self.unavailable:
+            out["unavailable"] = self.unavailable
+        if self.device_ms:
+            out.update(device_ms=costs.spread(self.device_ms), host_ms=costs.spread(self.host_ms),
+                       costs=self.costs, peak_mib=self.peak_mib)
+        return out
 
 
-def kernels_and_syncs(fn):
-    fn()
-    torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = sum(1 for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("Memset")
-                  and "Memcpy" not in e.name)
-    copies = sum(1 for e in prof.events() if e.device_type.name == "CUDA" and ("Memcpy" in e.name or "Memset" in e.name))
-    torch.cuda.set_sync_debug_mode("warn")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fn()
-    torch.cuda.set_sync_debug_mode("default")
-    syncs = sum(1 for c in caught if "synchroniz" in str(c.message))
-    return kernels, copies, syncs
+def _reason(e):
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
 
 
-def peak_memory(fn):
+# ---- the two sides --------------------------------------------------------------------------
+
+def fp8a2a_step(x, idx, w, experts, **kw):
+    """One fp8a2a dispatch + combine; the experts' output is a fixed random tensor of the right shape."""
+    d = fp8a2a.Dispatcher(experts, bf16_below_bytes=0, **kw)
+    rows = d.dispatch(x, idx, w).handle.num_rows
+    expert_out = torch.randn(rows, x.shape[1], device=x.device, dtype=x.dtype)
+    return lambda: d.combine(expert_out, d.dispatch(x, idx, w).handle)
+
+
+class Megatron:
+    """megatron-core's MoEAlltoAllTokenDispatcher at world size 1 (its collectives are bypassed)."""
+
+    def __init__(self):
+        from megatron.core import __version__, parallel_state
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+        self.version = __version__
+        try:
+            import transformer_engine
+            self.te, self.te_error = transformer_engine.__version__, None
+        except Exception as e:  # noqa: BLE001
+            self.te, self.te_error = None, _reason(e)
+
+    def step(self, p, x, rmap, probs, fused=False, pad=False):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        if fused and self.te is None:
+            raise RuntimeError(f"TransformerEngine not importable ({self.te_error}): no moe_permute_fusion")
+        e, k = p["experts"], p["topk"]
+        cfg = TransformerConfig(num_layers=1, hidden_size=p["hidden"], num_attention_heads=8, num_moe_experts=e,
+                                moe_router_topk=k, moe_router_pre_softmax=k == 1, moe_token_dispatcher_type="alltoall",
+                                moe_permute_fusion=fused, moe_expert_capacity_factor=CAPACITY_FACTOR if pad else None,
+                                moe_pad_expert_input_to_capacity=pad, bf16=True, params_dtype=torch.bfloat16,
+                                add_bias_linear=False)
+        pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "expt_tp", "tp_ep", "tp"])
+        d = MoEAlltoAllTokenDispatcher(e, list(range(e)), cfg, pg_collection=pgs)
+        if pad:  # the router's drop-and-pad: exactly `capacity` tokens per expert
+            probs, rmap = apply_router_token_dropping(probs, rmap, router_topk=k, capacity_factor=CAPACITY_FACTOR,
+                                                      pad_to_capacity=True)
+
+        def step():
+            hs, pr = d.dispatch_preprocess(x, rmap, probs)
+            hs, pr = d.token_dispatch(hs, pr)
+            hs, _, pr = d.dispatch_postprocess(hs, pr)
+            return d.combine_postprocess(d.token_combine(d.combine_preprocess(hs)))
+        return step
+
+
+def graph_of(step, cuda):
+    if not cuda:
+        raise RuntimeError("CUDA graphs need CUDA")
+    try:
+        graph, _ = capture_cuda_graph(step)
+    except Exception as e:  # noqa: BLE001
+        torch.cuda.synchronize()  # a failed capture must leave the device usable for the other rows
+        raise RuntimeError(f"CUDA graph capture failed: {_reason(e)}") from e
+    return graph.replay
+
+
+def build_point(p, cuda, megatron):
+    dev = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    t, h, e, k = p["tokens"], p["hidden"], p["experts"], p["topk"]
+    x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+    idx, w = routing(t, e, k, dev)
+    rmap = torch.zeros(t, e, dtype=torch.bool, device=dev).scatter_(1, idx, True)
+    probs = torch.zeros(t, e, device=dev).scatter_(1, idx, w)
+    v = {n: Variant(n) for n in VARIANTS}
+
+    def meg(fused, pad, graph=False):
+        if isinstance(megatron, str):
+            raise RuntimeError(megatron)
+        s = megatron.step(p, x, rmap, probs, fused=fused, pad=pad)
+        how = ("fused" if fused else "unfused") + (", drop-and-pad cf 1.0" if pad else ", dropless")
+        return (graph_of(s, cuda), f"Megatron {megatron.version} ({how}), CUDA graph") if graph else \
+            (s, f"Megatron {megatron.version} ({how})")
+    pad_fused = not isinstance(megatron, str) and megatron.te is not None
+    # fp8a2a first, Megatron's graph capture last: should a failed capture upset the device, the
+    # other rows of this point are built already
+    v["fp8a2a"].build(lambda: (fp8a2a_step(x, idx, w, e), "fp8a2a (FP8 rows, dropless)"))
+    v["fp8a2a_cap"].build(lambda: (fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
+                                   "fp8a2a capacity mode cf 1.0"))
+    v["fp8a2a_cap_graph"].build(lambda: (graph_of(fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
+                                                  cuda), "fp8a2a capacity mode cf 1.0, CUDA graph"))
+    v["megatron_fused"].build(lambda: meg(True, False))
+    v["megatron"].build(lambda: meg(False, False))
+    v["megatron_pad"].build(lambda: meg(pad_fused, True))
+    v["megatron_pad_graph"].build(lambda: meg(pad_fused, True, graph=True))
+    for name in ("megatron_pad_graph", "fp8a2a_cap_graph"):
+        v[name].graph = True
+    res = {key: p[key] for key in ("name", "tokens", "hidden", "experts", "topk", "ws1", "emulates")}
+    if p["ws1"] and e % 8 == 0:
+        res.update(wire_bytes_8ranks(idx, h, e, k))
+    return res, v
+
+
+def wire_bytes_8ranks(idx, h, e, k, ranks=8):
+    """The dispatch bytes one rank would send for this routing in an 8-rank EP group: fp8a2a's rows and
+    counts (as fp8a2a.bench counts them), Megatron's copy per (token, expert) + prob + counts all-gather."""
+    dest = torch.zeros(idx.shape[0], ranks, dtype=torch.bool, device=idx.device)
+    dest.scatter_(1, idx // (e // ranks), True)
+    fp8 = int(dest.sum()) * ops.dispatch_row_bytes(h, 0, k) + ranks * (ops.COUNTS_HEADER + e // ranks) * 8
+    mega = idx.shape[0] * k * (2 * h + 4) + e * 8 * ranks
+    return {"fp8_wire_bytes_8ranks": fp8, "bf16_megatron_wire_bytes_8ranks": mega, "wire_ratio_8ranks": fp8 / mega}
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+def peak_mib(fn, cuda):
+    if not cuda:
+        return None
     fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -71,111 +231,127 @@ def peak_memory(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def megatron_dispatcher(p):
-    try:
-        from megatron.core import parallel_state
-        from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except ImportError as e:
-        print(f"megatron-core not importable ({e}): Megatron baseline skipped")
-        return None
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    cfg = TransformerConfig(num_layers=1, hidden_size=p["hidden"], num_attention_heads=8, num_moe_experts=p["experts"],
-                            moe_router_topk=p["topk"], moe_token_dispatcher_type="alltoall", bf16=True,
-                            params_dtype=torch.bfloat16, add_bias_linear=False)
-    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "expt_tp", "tp_ep", "tp"])
-    return MoEAlltoAllTokenDispatcher(p["experts"], list(range(p["experts"])), cfg, pg_collection=pgs)
+def characterize(variants, cuda):
+    """Once per variant: host syncs / launches / copies of one call, peak memory of eager calls."""
+    for v in variants.values():
+        if v.fn is None:
+            continue
+        try:
+            v.costs = costs.profile_call(v.fn)
+            v.peak_mib = None if v.graph else peak_mib(v.fn, cuda)
+        except Exception as e:  # noqa: BLE001 - a missing count must not stop the benchmark
+            v.costs = dict(v.costs or {}, error=_reason(e))
 
 
-def dispatch_combine_step(d, x, idx, w):
-    """One dispatch + combine with `d`; the experts' output is a fixed random tensor of the right shape."""
-    rows = d.dispatch(x, idx, w).handle.num_rows
-    expert_out = torch.randn(rows, x.shape[1], device=x.device, dtype=x.dtype)
-    return lambda: d.combine(expert_out, d.dispatch(x, idx, w).handle)
+def measure(points, repeat, iters, warmup, cuda):
+    for r in range(repeat):
+        for _, variants in points:
+            live = [v for v in variants.values() if v.fn is not None]
+            shift = r % max(1, len(live))
+            for v in live[shift:] + live[:shift]:
+                try:
+                    dev, host = costs.time_calls(v.fn, iters, warmup, cuda)
+                except Exception as e:  # noqa: BLE001
+                    v.unavailable, v.fn = f"failed in run {r + 1}: {_reason(e)}", None
+                    continue
+                v.device_ms.append(statistics.median(dev))
+                v.host_ms.append(statistics.median(host))
 
 
-def bench_point(p):
-    torch.manual_seed(0)
-    t, h, e, k = p["tokens"], p["hidden"], p["experts"], p["topk"]
-    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    idx, w = routing(t, e, k)
-    res = {**p}
+def ratios(variants, runs):
+    out = {}
+    for num, den in RATIOS:
+        a, b = variants[num].device_ms, variants[den].device_ms
+        if len(a) == len(b) == runs and runs:
+            out[f"{num}/{den}"] = costs.spread([x / y for x, y in zip(a, b)])
+    return out
 
-    fp8_step = dispatch_combine_step(fp8a2a.Dispatcher(e, bf16_below_bytes=0), x, idx, w)
 
-    res["fp8_ms"] = cuda_median_ms(fp8_step)
-    res["fp8_host_ms"] = host_time(fp8_step)
-    res["fp8_kernels"], res["fp8_copies"], res["fp8_syncs"] = kernels_and_syncs(fp8_step)
-    res["fp8_peak_mib"] = peak_memory(fp8_step)
+# ---- output ---------------------------------------------------------------------------------
 
-    # Wire bytes of this routing, as an 8-rank EP group would move them (dispatch direction).
-    ranks = 8
-    dest = torch.zeros(t, ranks, dtype=torch.bool, device="cuda")
-    dest.scatter_(1, idx // (e // ranks), True)
-    row = ops.dispatch_row_bytes(h, 0, k)
-    # what one rank sends, counted as fp8a2a.bench counts it: rows + its counts row to every rank;
-    # Megatron: one copy per (token, expert) with its prob + the tokens-per-expert all-gather
-    res["fp8_wire_bytes_8ranks"] = int(dest.sum()) * row + ranks * (ops.COUNTS_HEADER + e // ranks) * 8
-    res["bf16_megatron_wire_bytes_8ranks"] = t * k * (2 * h + 4) + e * 8 * ranks
-    res["wire_ratio_8ranks"] = res["fp8_wire_bytes_8ranks"] / res["bf16_megatron_wire_bytes_8ranks"]
+def _span(s, fmt="{:.3f}"):
+    if not s or s.get("median") is None:
+        return "-"
+    return f"{fmt.format(s['median'])} [{fmt.format(s['min'])}-{fmt.format(s['max'])}]"
 
-    # Capacity mode replayed from a CUDA graph (zero host syncs, static shapes).
-    cap_step = dispatch_combine_step(fp8a2a.Dispatcher(e, capacity_factor=2.0), x, idx, w)
-    graph, _ = capture_cuda_graph(cap_step)
-    res["fp8_capacity_eager_ms"] = cuda_median_ms(cap_step)
-    res["fp8_capacity_graph_ms"] = cuda_median_ms(graph.replay)
-    res["fp8_capacity_graph_host_ms"] = host_time(graph.replay)
 
-    md = megatron_dispatcher(p)
-    if md is not None:
-        routing_map = torch.zeros(t, e, dtype=torch.bool, device="cuda").scatter_(1, idx, True)
-        probs = torch.zeros(t, e, device="cuda").scatter_(1, idx, w)
-
-        def meg_step():
-            hs, pr = md.dispatch_preprocess(x, routing_map, probs)
-            hs, pr = md.token_dispatch(hs, pr)
-            hs, _, pr = md.dispatch_postprocess(hs, pr)
-            hs = md.combine_preprocess(hs)
-            hs = md.token_combine(hs)
-            return md.combine_postprocess(hs)
-
-        res["megatron_ms"] = cuda_median_ms(meg_step)
-        res["megatron_host_ms"] = host_time(meg_step)
-        res["megatron_kernels"], res["megatron_copies"], res["megatron_syncs"] = kernels_and_syncs(meg_step)
-        res["megatron_peak_mib"] = peak_memory(meg_step)
-        res["time_ratio"] = res["fp8_ms"] / res["megatron_ms"]
-        res["graph_time_ratio"] = res["fp8_capacity_graph_ms"] / res["megatron_ms"]
-    return res
+def format_report(doc):
+    lines = [f"fp8a2a dispatch + combine vs Megatron's alltoall dispatcher, world size 1, {doc['device']}",
+             f"timing: {doc['timing']}; {doc['repeat']} run(s) x {doc['iters']} calls: median [min-max] of the run "
+             "medians", f"peers: megatron-core {doc['megatron_core']}, TransformerEngine {doc['transformer_engine']}",
+             f"emulation: {EMULATION}", ""]
+    head = (f"{'variant':<20}{'device ms':>26}{'host ms':>26}{'kernels':>8}{'copies':>7}{'syncs':>6}{'d2h':>5}"
+            f"{'calls':>6}{'MiB':>7}  label")
+    for p in doc["points"]:
+        lines += [f"== {p['name']}: {p['tokens']} tokens x {p['hidden']}, {p['experts']} experts, top-{p['topk']} "
+                  f"({p['emulates']})", head]
+        for name in VARIANTS:
+            v = p["variants"][name]
+            if "device_ms" not in v:
+                lines.append(f"{name:<20}unavailable: {v.get('unavailable', 'not measured')}")
+                continue
+            c = v.get("costs") or {}
+            cnt = "".join(f"{c.get(key, '-') if c.get(key) is not None else '-':>{wd}}"
+                          for key, wd in (("kernels", 8), ("copies", 7), ("syncs", 6), ("d2h", 5),
+                                          ("launch_calls", 6)))
+            mib = "-" if v.get("peak_mib") is None else f"{v['peak_mib']:.0f}"
+            note = (f" (counts failed: {c['error']})" if c.get("error") else "") + \
+                (f" ({v['unavailable']})" if v.get("unavailable") else "")
+            lines.append(f"{name:<20}{_span(v['device_ms']):>26}{_span(v['host_ms']):>26}{cnt}{mib:>7}  "
+                         f"{v['label']}{note}")
+        rs = "; ".join(f"{k} {_span(s, '{:.2f}')}" for k, s in p["ratios"].items()) or "none (a side unavailable)"
+        lines += [f"ratios (device time, per run): {rs}", ""]
+    lines.append("syncs: host calls that block on the GPU (cudaStream/Event/DeviceSynchronize, blocking cudaMemcpy); "
+                 "d2h: device-to-host copies; kernels and copies/memsets: device events; calls: host launch calls "
+                 "(kernel and graph launches); MiB: peak memory above the inputs of one eager call")
+    return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of the whole measurement (default 3)")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per variant per run")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--points", help="comma-separated point names (default: all)")
+    ap.add_argument("--cpu", action="store_true", help="functional run on the CPU: tiny shapes, numbers meaningless")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_dispatch: needs a CUDA GPU (the Megatron baseline cannot run on CPU)")
+    cuda = not args.cpu
+    if cuda and not torch.cuda.is_available():
+        sys.exit("bench_dispatch: needs a CUDA GPU (or --cpu for a functional run)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
-    torch.cuda.set_device(0)
+    if cuda:
+        torch.cuda.set_device(0)
     if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    results = [bench_point(p) for p in POINTS]
-    print(f"\n{'tokens':>6} {'fp8 ms':>8} {'meg ms':>8} {'ratio':>6} {'graph ms':>9} {'g.ratio':>7} "
-          f"{'fp8 k/s':>8} {'meg k/s':>8} {'fp8 host':>9} {'meg host':>9} {'fp8 MiB':>8} {'meg MiB':>8} {'wire@8':>7}")
-    for r in results:
-        f = lambda key, fmt="{:.3f}": fmt.format(r[key]) if key in r else "-"  # noqa: E731
-        print(f"{r['tokens']:>6} {f('fp8_ms'):>8} {f('megatron_ms'):>8} {f('time_ratio', '{:.2f}'):>6} "
-              f"{f('fp8_capacity_graph_ms'):>9} {f('graph_time_ratio', '{:.3f}'):>7} "
-              f"{r['fp8_kernels']}/{r['fp8_syncs']:>1}{'':>4} "
-              f"{(str(r.get('megatron_kernels', '-')) + '/' + str(r.get('megatron_syncs', '-'))):>8} "
-              f"{f('fp8_host_ms'):>9} {f('megatron_host_ms'):>9} {f('fp8_peak_mib', '{:.0f}'):>8} "
-              f"{f('megatron_peak_mib', '{:.0f}'):>8} {f('wire_ratio_8ranks', '{:.3f}'):>7}")
-    print("k/s = kernels / host syncs per dispatch+combine; wire@8 = FP8 bytes / Megatron BF16 bytes at 8 ranks")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    points = [p for p in POINTS if not args.points or p["name"] in args.points.split(",")]
+    if args.cpu:
+        points = [dict(p, tokens=max(2, p["tokens"] // 64), hidden=256) for p in points]
+    try:
+        megatron = Megatron()
+    except Exception as e:  # noqa: BLE001
+        megatron = f"megatron-core not usable ({_reason(e)})"
+    t0 = time.time()
+    built = [build_point(p, cuda, megatron) for p in points]
+    measure(built, args.repeat, args.iters, args.warmup, cuda)
+    for _, variants in built:  # after the timing: a profiler that stays attached must not slow it
+        characterize(variants, cuda)
+    doc = {"benchmark": "fp8a2a dispatch + combine vs Megatron (benchmarks/bench_dispatch.py)",
+           "functional_only": args.cpu, "device": torch.cuda.get_device_name() if cuda else "CPU",
+           "torch": torch.__version__, "megatron_core": getattr(megatron, "version", megatron),
+           "transformer_engine": getattr(megatron, "te", None) or getattr(megatron, "te_error", None) or "-",
+           "timing": costs.TIMING if cuda else "functional (CPU): wall time per call, calls back to back",
+           "repeat": args.repeat, "iters": args.iters, "warmup": args.warmup,
+           "capacity_factor": CAPACITY_FACTOR, "emulation": EMULATION,
+           "points": [dict(res, variants={n: v.record() for n, v in variants.items()},
+                           ratios=ratios(variants, args.repeat)) for res, variants in built],
+           "seconds": round(time.time() - t0, 1), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(format_report(doc))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+            json.dump(doc, fh, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

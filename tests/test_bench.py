@@ -384,6 +384,38 @@ def test_model_command_labels_every_input_and_reports_its_error(tmp_path):
     assert len(doc["check"]) == 2 and doc["params"]["megatron_overhead_us"] == pytest.approx(400)
 
 
+# ---- the dispatch benchmark at functional sizes (its JSON feeds the model) ----------------------
+
+def test_bench_dispatch_functional_feeds_the_model(tmp_path):
+    out = tmp_path / "d.json"
+    text = _benchmark("bench_dispatch", "--cpu", "--points", "ws1-4096,ws1-128,mixtral-8x7b@EP8", "--repeat", "2",
+                      "--iters", "1", "--warmup", "0", "--json", out)
+    doc = json.loads(out.read_text())
+    assert doc["functional_only"] and doc["repeat"] == 2 and "functional" in doc["timing"]
+    assert [p["name"] for p in doc["points"]] == ["ws1-4096", "ws1-128", "mixtral-8x7b@EP8"]
+    mix = doc["points"][2]
+    assert (mix["experts"], mix["topk"]) == (1, 1)  # EP=8 of 8 experts, top-2: 1 local expert, twice the tokens
+    assert mix["tokens"] == 2 * doc["points"][0]["tokens"]
+    for p in doc["points"]:
+        v = p["variants"]
+        assert list(v) == ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph",
+                           "fp8a2a_cap", "fp8a2a_cap_graph"]
+        for name in ("fp8a2a", "fp8a2a_cap"):
+            assert len(v[name]["device_ms"]["runs"]) == 2 and v[name]["device_ms"]["median"] > 0
+        assert v["fp8a2a_cap_graph"]["unavailable"].startswith("RuntimeError: CUDA graphs need CUDA")
+        for name, rec in v.items():
+            assert ("device_ms" in rec) != ("unavailable" in rec), (name, rec)
+            assert f"{name:<20}unavailable: " in text if "unavailable" in rec else True
+        for key, s in p["ratios"].items():
+            num, den = key.split("/")
+            assert s["runs"] == [a / b for a, b in zip(v[num]["device_ms"]["runs"], v[den]["device_ms"]["runs"])]
+    assert doc["points"][0]["wire_ratio_8ranks"] < 0.5
+    run = _bench_command("--model", "--no-measure", "--dispatch-json", out)
+    assert run.returncode == 0, run.stderr
+    assert f"fp8a2a_overhead_us: {doc['points'][1]['variants']['fp8a2a']['device_ms']['median'] * 500:.0f} us" \
+        in run.stdout
+
+
 # ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------
 
 def test_bench_kernels_functional(tmp_path):
