@@ -91,13 +91,14 @@ if [[ $mode == *,layer,* || $mode == *,bench,* ]]; then
   step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" --json "$LOGS/megatron_layer.json"
 fi
 if [[ $mode == *,bench,* ]]; then
+  step bench_dispatch 240 python3 benchmarks/bench_dispatch.py --repeat "$REPEAT" --json "$LOGS/dispatch.json"
   for i in $(seq "$REPEAT"); do
-    step "bench_dispatch_$i" 120 python3 benchmarks/bench_dispatch.py --json "$LOGS/dispatch_$i.json"
     step "bench_experts_$i" 180 python3 benchmarks/bench_experts.py --json "$LOGS/experts_$i.json"
     step "bench_moe_layer_$i" 240 python3 benchmarks/bench_moe_layer.py --json "$LOGS/moe_layer_$i.json"
   done
   step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
-  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels_1.json"
+  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels_1.json" \
+    --dispatch-json "$LOGS/dispatch.json" --alltoall-json results/alltoall_ep2.json --json "$LOGS/model.json"
 fi
 [[ -n $conv_pid ]] && { wait "$conv_pid" || FAILED+=" convergence"; }
 [[ -z $FAILED ]] || { echo "=== failed:$FAILED"; exit 1; }
