@@ -103,18 +103,11 @@ def measure(args, name, dispatcher, graphs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--ffn", type=int, default=1024, help="expert FFN size")
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--topk", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--mbs", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=8192)
+    sizes = dict(layers=2, hidden=2048, ffn=1024, experts=16, topk=2, seq=2048, mbs=1, vocab=8192, steps=10,
+                 warmup=3, runs=3)
+    for key, default in sizes.items():
+        ap.add_argument("--" + key, type=int, default=default)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
