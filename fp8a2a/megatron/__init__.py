@@ -26,6 +26,27 @@ edited), the first two keyed on the dispatcher type so other types are untouched
     when it is (register() never imports the training stack itself).
 register() is idempotent; unregister() undoes it.
 
+CUDA graphs (megatron-core 0.19.2's cuda_graph_impl / cuda_graph_modules; dispatcher.check_cuda_graphs
+refuses the rest when the dispatcher is built, naming the option):
+  * local, moe_router / moe_preprocess (local captures both): works in every capacity mode: the
+    graph ends after dispatch_preprocess (local, no host sync), the exchange runs eagerly;
+  * local, whole layer ([]) or moe: works in the capacity mode (drop-and-pad, or
+    --fp8a2a-capacity-mode static): static shapes, no host sync; refused otherwise (one host sync);
+  * local, attn: the MoE part runs eagerly: works;
+  * transformer_engine, full_iteration: refused (not yet checked against alltoall);
+  * moe_preprocess with a capacity factor without drop-and-pad: refused by Megatron's own
+    validation (fp8_alltoall validates as alltoall), though fp8_alltoall's preprocess has no sync.
+Where Megatron tests `moe_token_dispatcher_type == "alltoall"` outside the dispatcher, fp8_alltoall
+(the type reads "fp8_alltoall" there: only __post_init__ and MoELayer.__init__ see "alltoall")
+takes the other branch, which is right for it, so nothing is patched:
+  * models/common/utils.py should_free_input (free_mlp): alltoall with one local expert hands the
+    mlp node's input straight to the GEMM, which saves it; fp8_alltoall's mlp input is a memoryless
+    carrier (the rows stay on the dispatcher), so freeing it is safe at any expert count;
+  * transformer_layer.py pre-MLP layernorm recompute under a moe_router+moe_preprocess graph:
+    alltoall's graph outputs are permuted copies, so the layernorm output can be freed and
+    recomputed; fp8_alltoall returns `_x`, a view of the layernorm output, as a graph output
+    (cudagraph_attrs), a static buffer: no recompute (the branch Megatron takes for it).
+
 Experts: Megatron's own experts (SequentialMLP, TEGroupedMLP, ...) receive dequantized rows in the
 activation dtype; the wire still carries FP8. `fp8_experts_spec(spec)` swaps in FP8 experts that
 keep Megatron's parameters and checkpoint layout and take the FP8 rows straight into FP8GroupedMLP.

@@ -105,6 +105,54 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     return torch.where(valid, idx, torch.full_like(idx, -1)), weights
 
 
+def padded_rows(counts, padded, shift, device, rows):
+    """Where each of `rows` expert-major rows (counts[e] per expert) goes once every expert is
+    padded to padded[e] rows (shift[e]: padding rows before expert e). Equal counts (the capacity
+    mode) need device arithmetic only, so a CUDA graph can capture it (no host-to-device copy)."""
+    pos = torch.arange(rows, device=device)
+    if len(set(counts)) == 1 and len(set(padded)) == 1 and counts[0] > 0:
+        return pos + torch.div(pos, counts[0], rounding_mode="floor") * (padded[0] - counts[0])
+    return pos + torch.repeat_interleave(torch.tensor(shift, device=device), torch.tensor(counts, device=device),
+                                         output_size=rows)
+
+
+def _graph_modules(config):
+    """The per-layer CUDA-graph scope of a config as names (megatron-core 0.19: cuda_graph_modules,
+    0.16: cuda_graph_scope); [] means the whole layer."""
+    scope = getattr(config, "cuda_graph_modules", None)
+    if scope is None or isinstance(scope, str):
+        scope = getattr(config, "cuda_graph_scope", None) or []
+    if isinstance(scope, str):
+        scope = [s for s in scope.split(",") if s and s != "full"]
+    return [getattr(s, "name", s) for s in scope]
+
+
+def check_cuda_graphs(config, capacity_mode: bool):
+    """Refuses (ValueError naming the option) the Megatron CUDA-graph settings fp8_alltoall does not
+    support; see "CUDA graphs" in fp8a2a/megatron/__init__.py for the table and the reasons."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "none":
+        return
+    modules = _graph_modules(config)
+    if impl != "local":
+        raise ValueError(
+            f"fp8a2a: cuda_graph_impl={impl!r} is not supported with --moe-token-dispatcher-type fp8_alltoall: "
+            f"only cuda_graph_impl='local' has been checked against alltoall (outputs and gradients); "
+            f"use --cuda-graph-impl local")
+    if "full_iteration" in modules:
+        raise ValueError("fp8a2a: cuda_graph_scope full_iteration is not supported with fp8_alltoall "
+                         "(not checked against alltoall); use cuda_graph_impl='local' with a per-layer scope")
+    captures_dispatch = not modules or "moe" in modules
+    if captures_dispatch and not capacity_mode:
+        what = "cuda_graph_modules=[] (the whole layer)" if not modules else "cuda_graph_modules 'moe'"
+        raise ValueError(
+            f"fp8a2a: {what} captures the token dispatch, and fp8_alltoall outside its capacity mode reads "
+            f"the received row counts on the host once per dispatch (variable shapes), which a CUDA graph "
+            f"cannot capture; use drop-and-pad (--moe-expert-capacity-factor with "
+            f"--moe-pad-expert-input-to-capacity, --fp8a2a-capacity-mode auto or static) or "
+            f"--cuda-graph-modules moe_router moe_preprocess (the dispatch stays eager)")
+
+
 class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
     """--moe-token-dispatcher-type fp8_alltoall (see the module docstring).
 
@@ -139,6 +187,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         # the output and to every gradient: they are never sent. In the capacity mode the
         # Dispatcher pads every (source rank, local expert) to the same capacity itself.
         self.capacity_factor = factor if (mode == "static" or (mode == "auto" and pad)) else None
+        check_cuda_graphs(config, self.capacity_factor is not None)
         self.strip_capacity_padding = pad
         self.pad_multiple = 0  # moe_router_padding_for_quantization: rows per local expert rounded up to this
         if getattr(config, "moe_router_padding_for_quantization", False):
@@ -242,8 +291,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             shift.append(acc)
             acc += p - c
         dev, rows = tokens.device, tokens.shape[0]
-        dest = torch.arange(rows, device=dev) + torch.repeat_interleave(
-            torch.tensor(shift, device=dev), torch.tensor(counts, device=dev), output_size=rows)
+        dest = padded_rows(counts, padded, shift, dev, rows)
         total = sum(padded)
         tokens = tokens.new_zeros((total, tokens.shape[1])).index_copy(0, dest, tokens)
         probs = probs.new_zeros((total,) + tuple(probs.shape[1:])).index_copy(0, dest, probs)

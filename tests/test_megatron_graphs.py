@@ -1,0 +1,147 @@
+"""fp8_alltoall and Megatron's CUDA-graph options, on CPU (megatron-core 0.16.1 here; the device runs
+0.19.2 and tests/gpu/test_megatron_graphs.py): the config-time refusals, the decisions at the
+places where Megatron tests `moe_token_dispatcher_type == "alltoall"` outside the dispatcher, and
+the capture-safe padding rows of the capacity mode."""
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.transformer import TransformerConfig
+
+import fp8a2a.megatron as fm
+from fp8a2a.megatron.dispatcher import _graph_modules, check_cuda_graphs, padded_rows
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    fm.register()
+    yield
+    fm.unregister()
+
+
+def config(dispatcher=fm.FP8_ALLTOALL, **over):
+    kw = dict(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=4,
+              moe_router_topk=2, use_cpu_initialization=True, add_bias_linear=False,
+              moe_token_dispatcher_type=dispatcher)
+    kw.update(over)
+    return TransformerConfig(**kw)
+
+
+class Cfg:  # what check_cuda_graphs reads, without TransformerConfig's own validation
+    def __init__(self, impl, modules):
+        self.cuda_graph_impl, self.cuda_graph_modules = impl, modules
+
+
+@pytest.mark.parametrize("impl,modules,capacity,refused", [
+    ("none", [], False, None),
+    ("local", ["moe_router", "moe_preprocess"], False, None),
+    ("local", ["attn"], False, None),
+    ("local", ["moe"], True, None),
+    ("local", [], True, None),
+    ("local", [], False, "cuda_graph_modules"),
+    ("local", ["moe"], False, "cuda_graph_modules"),
+    ("local", ["full_iteration"], True, "full_iteration"),
+    ("transformer_engine", ["moe_router"], False, "cuda_graph_impl"),
+    ("transformer_engine", [], True, "cuda_graph_impl"),
+    ("full_iteration", [], True, "cuda_graph_impl"),
+])
+def test_check_cuda_graphs(impl, modules, capacity, refused):
+    cfg = Cfg(impl, modules)
+    if refused is None:
+        check_cuda_graphs(cfg, capacity)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            check_cuda_graphs(cfg, capacity)
+
+
+def test_graph_modules_of_either_megatron():
+    from megatron.core.transformer import enums
+    scope = getattr(enums, "CudaGraphModule", None) or enums.CudaGraphScope
+    assert _graph_modules(Cfg("local", [scope.moe_router, scope.moe_preprocess])) == ["moe_router", "moe_preprocess"]
+    cfg = Cfg("local", None)
+    cfg.cuda_graph_scope = "full"
+    assert _graph_modules(cfg) == []
+
+
+def test_refused_when_the_dispatcher_is_built():
+    """Through a real MoELayer: whole-layer capture of a dropless fp8_alltoall is refused, naming the
+    option; the same config with drop-and-pad builds."""
+    from tests.test_megatron import moe_spec, build
+    from fp8a2a.megatron.testing import cpu_current_device
+    from megatron.core import parallel_state as ps
+    from tests.distributed import run_ranks  # noqa: F401  (same process-group setup as test_megatron)
+    import torch.distributed as dist
+    cpu_current_device()
+    cfg = config()
+    cfg.cuda_graph_impl = "local"  # set after validation: 0.16.1's own checks want TE / CUDA here
+    if hasattr(cfg, "cuda_graph_modules"):
+        cfg.cuda_graph_modules = []
+    else:
+        cfg.cuda_graph_scope = []
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(create_gloo_process_groups=False)
+        with pytest.raises(ValueError, match="cuda_graph_modules.*capacity"):
+            build(moe_spec(4), cfg)
+        cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity = 1.0, True
+        layer = build(moe_spec(4), cfg)
+        assert layer.token_dispatcher.capacity_factor == 1.0
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _should_free_input():
+    try:
+        from megatron.core.models.common.utils import should_free_input  # 0.19
+    except ImportError:
+        from megatron.core.models.gpt.fine_grained_callables import should_free_input  # 0.16
+    return should_free_input
+
+
+def test_mlp_input_may_be_freed_in_the_overlapped_schedule():
+    """Branch 1 (should_free_input, 'mlp'): fp8_alltoall stays on the non-alltoall branch: the mlp
+    node's input is a memoryless carrier, the rows live on the dispatcher, so freeing it is safe at
+    any local expert count (tests/test_megatron.py::test_stages_under_a_detaching_freeing_schedule
+    frees it and checks outputs and gradients)."""
+    fn = _should_free_input()
+    cfg = config()
+    assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL  # what the check reads after register()
+    args = ("mlp", True, cfg) + ((1,) if len(inspect.signature(fn).parameters) == 4 else ())
+    assert fn(*args) is True
+
+
+def test_pre_mlp_layernorm_recompute_decision():
+    """Branch 2 (can_recompute_pre_mlp_layernorm_for_cudagraph): alltoall may recompute the pre-MLP
+    layernorm under a moe_router+moe_preprocess graph because its graph outputs are permuted copies;
+    fp8_alltoall's graph outputs include `_x`, a view of the layernorm output (cudagraph_attrs), so
+    it must stay on the other branch (no recompute). The check reads the type after register()."""
+    from fp8a2a.megatron.dispatcher import FP8AlltoAllTokenDispatcher
+    src = inspect.getsource(FP8AlltoAllTokenDispatcher.__init__)
+    assert 'self.cudagraph_attrs = ["_x", "_topk_idx"]' in src
+    cfg = config(recompute_granularity="selective", recompute_modules=["layernorm"])
+    assert cfg.moe_token_dispatcher_type != "alltoall"
+
+
+@pytest.mark.parametrize("counts,m", [([8, 8, 8], 16), ([5, 5], 4), ([3, 7, 0, 2], 4), ([0, 0], 16)])
+def test_padded_rows_capture_safe_form_matches(counts, m):
+    padded = [-(-c // m) * m for c in counts]
+    shift, acc = [], 0
+    for c, p in zip(counts, padded):
+        shift.append(acc)
+        acc += p - c
+    rows = sum(counts)
+    want = torch.arange(rows) + torch.repeat_interleave(torch.tensor(shift), torch.tensor(counts), output_size=rows)
+    assert torch.equal(padded_rows(counts, padded, shift, "cpu", rows), want)
