@@ -4,6 +4,9 @@
 #   bash scripts/gpu_session.sh bench     (every benchmark; REPEAT=3 runs each three times)
 #   bash scripts/gpu_session.sh kernels   (benchmarks/bench_kernels.py only, REPEAT times)
 #   bash scripts/gpu_session.sh layer     (benchmarks/bench_megatron_layer.py: Megatron's MoELayer under TE recipes)
+#   bash scripts/gpu_session.sh dispatch  (benchmarks/bench_dispatch.py: dispatch + combine against Megatron)
+#   bash scripts/gpu_session.sh small     (benchmarks/bench_small_model.py: a small GPT-MoE, eager and graphed)
+#   bash scripts/gpu_session.sh model     (the scale model from this session's kernel and dispatch JSON)
 #   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL suite and the all-to-all sweep on all of them)
 #   bash scripts/gpu_session.sh conv      (convergence runs, seeds $CONV_SEEDS (default "1 2"); on a machine of
 #                                          several GPUs they run on the last GPU beside the other modes)
@@ -87,18 +90,23 @@ if [[ $mode == *,kernels,* || $mode == *,bench,* ]]; then
     step "bench_kernels_$i" 90 python3 benchmarks/bench_kernels.py --json "$LOGS/kernels_$i.json"
   done
 fi
-if [[ $mode == *,layer,* || $mode == *,bench,* ]]; then
-  step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" --json "$LOGS/megatron_layer.json"
+has() { [[ $mode == *,$1,* || $mode == *,bench,* ]]; }  # a mode given, or `bench` (every benchmark)
+has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
+  --json "$LOGS/megatron_layer.json"
+has dispatch && step bench_dispatch 240 python3 benchmarks/bench_dispatch.py --repeat "$REPEAT" --json "$LOGS/dispatch.json"
+has small && step bench_small_model 150 python3 benchmarks/bench_small_model.py --json "$LOGS/small_model.json"
+if has model; then
+  kj=$(ls "$LOGS"/kernels_1.json results/kernels.json 2>/dev/null | head -1)
+  dj=$(ls "$LOGS"/dispatch.json results/dispatch.json 2>/dev/null | head -1)
+  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$kj" --dispatch-json "$dj" \
+    --alltoall-json results/alltoall_ep2.json --json "$LOGS/model.json"
 fi
 if [[ $mode == *,bench,* ]]; then
-  step bench_dispatch 240 python3 benchmarks/bench_dispatch.py --repeat "$REPEAT" --json "$LOGS/dispatch.json"
   for i in $(seq "$REPEAT"); do
     step "bench_experts_$i" 180 python3 benchmarks/bench_experts.py --json "$LOGS/experts_$i.json"
     step "bench_moe_layer_$i" 240 python3 benchmarks/bench_moe_layer.py --json "$LOGS/moe_layer_$i.json"
   done
   step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
-  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$LOGS/kernels_1.json" \
-    --dispatch-json "$LOGS/dispatch.json" --alltoall-json results/alltoall_ep2.json --json "$LOGS/model.json"
 fi
 [[ -n $conv_pid ]] && { wait "$conv_pid" || FAILED+=" convergence"; }
 [[ -z $FAILED ]] || { echo "=== failed:$FAILED"; exit 1; }
