@@ -235,12 +235,40 @@ def _dense_weight(weight: torch.Tensor) -> torch.Tensor:
     return _cached(weight, "stack", lambda sources: torch.stack([t.detach() for t in sources]))
 
 
+def _fast_weight_quant(weight, sources, transposed):
+    """fp8_weight's build in one Triton launch (triton_kernels.expert_weight_quant: the same bytes),
+    or None where it does not apply: not CUDA / no Triton, no elements, another dtype, or for a
+    stand-in, parameters not all contiguous of one dtype on the weight's device."""
+    if not _triton_ok(weight):
+        return None
+    E, N, K = weight.shape
+    if E == 0 or N == 0 or K == 0:
+        return None
+    if not _lazy(weight):
+        w = weight.detach()
+        if w.dtype not in _tk().WEIGHT_DTYPES or w.stride(2) != 1:
+            return None
+        return _tk().expert_weight_quant(w, transposed)
+    ts = [t.detach() for t in sources]
+    t0 = ts[0]
+    if (len(ts) != E or t0.dtype not in _tk().WEIGHT_DTYPES
+            or any(t.device != weight.device or t.dtype != t0.dtype or t.shape != (N, K) or not t.is_contiguous()
+                   for t in ts)):
+        return None
+    return _tk().expert_weight_quant(ts, transposed)
+
+
 def fp8_weight(weight: torch.Tensor, transposed: bool = False):
     """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
     transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
-    weight tensor (on its parameters for an expert_weights stand-in, quantized expert by expert
-    there: no BF16 stack); recomputed as _cached says."""
+    weight tensor (on its parameters for an expert_weights stand-in, read through a table of their
+    addresses on CUDA, expert by expert elsewhere: no BF16 stack); recomputed as _cached says. On
+    CUDA with Triton one launch per call (triton_kernels.expert_weight_quant), the same bytes as the
+    extension's row quantization of the [E*N, K] (or transposed [E*K, N]) rows."""
     def build(sources):
+        fast = _fast_weight_quant(weight, sources, transposed)
+        if fast is not None:
+            return fast
         E, N, K = weight.shape
         if transposed:
             N, K = K, N
