@@ -12,7 +12,7 @@
 #                                          several GPUs they run on the last GPU beside the other modes)
 #   modes combine: bash scripts/gpu_session.sh tests,kernels
 # One device call may take 600 s (BUDGET_S caps this script, default 570).
-# SKIP="name ..." leaves those steps out. Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the
+# SKIP="name ..." leaves those steps out; LAYER_ARGS / DISPATCH_ARGS pass extra flags (e.g. fewer shapes). Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the
 # device tool brings back at most 8 files), default OUT=./gpu_out.
 # A machine without internet takes megatron-core (the 0.19.2 cp312 wheel) from .whl/ and TransformerEngine from the
 # bundle in .te/ (../shared/tools/te/README.md) when present; without them the Megatron and TE parts skip themselves.
@@ -92,8 +92,8 @@ if [[ $mode == *,kernels,* || $mode == *,bench,* ]]; then
 fi
 has() { [[ $mode == *,$1,* || $mode == *,bench,* ]]; }  # a mode given, or `bench` (every benchmark)
 has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
-  --json "$LOGS/megatron_layer.json"
-has dispatch && step bench_dispatch 240 python3 benchmarks/bench_dispatch.py --repeat "$REPEAT" --json "$LOGS/dispatch.json"
+  --json "$LOGS/megatron_layer.json" ${LAYER_ARGS:-}
+has dispatch && step bench_dispatch 240 python3 benchmarks/bench_dispatch.py --repeat "$REPEAT" --json "$LOGS/dispatch.json" ${DISPATCH_ARGS:-}
 has small && step bench_small_model 150 python3 benchmarks/bench_small_model.py --json "$LOGS/small_model.json"
 if has model; then
   kj=$(ls "$LOGS"/kernels_1.json results/kernels.json 2>/dev/null | head -1)
