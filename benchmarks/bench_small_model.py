@@ -47,9 +47,9 @@ def build(args, dispatcher, graphs):
     config = TransformerConfig(**kw)
     spec = ModuleSpec(module=MoETransformerLayer,
                       submodules=get_gpt_layer_local_submodules(num_experts=args.experts, moe_grouped_gemm=False))
-    torch.manual_seed(1)
+    torch.manual_seed(1)  # bf16 everywhere, as Megatron's Float16Module casts it (torch norms are built fp32)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
-                     max_sequence_length=args.seq, position_embedding_type="rope").cuda()
+                     max_sequence_length=args.seq, position_embedding_type="rope").cuda().bfloat16()
     for p in model.parameters():  # graphs add weight gradients to main_grad; eager autograd to .grad
         p.main_grad = torch.zeros_like(p)
         p.grad = p.main_grad  # one buffer for both

@@ -64,7 +64,7 @@ def graphed_run(cfg, state=None):
     from megatron.core.transformer.cuda_graphs import create_cudagraphs, delete_cuda_graphs
     delete_cuda_graphs()
     torch.manual_seed(1)
-    layer = build_layer(layer_spec(), cfg).cuda()
+    layer = build_layer(layer_spec(), cfg).cuda().bfloat16()  # as Megatron's Float16Module (torch norms are fp32)
     if state is not None:
         layer.load_state_dict(state)
     for p in layer.parameters():  # the graphs add weight gradients to main_grad (Megatron DDP's)
@@ -143,4 +143,4 @@ def test_refused_settings_name_the_option(name, over, option):
     over = dict(over)
     modules = over.pop("cuda_graph_modules")
     with pytest.raises(ValueError, match=option):
-        build_layer(layer_spec(), make_config(fm.FP8_ALLTOALL, modules, **over)).cuda()
+        build_layer(layer_spec(), make_config(fm.FP8_ALLTOALL, modules, **over)).cuda().bfloat16()
