@@ -96,10 +96,11 @@ has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_lay
 has dispatch && step bench_dispatch 240 python3 benchmarks/bench_dispatch.py --repeat "$REPEAT" --json "$LOGS/dispatch.json" ${DISPATCH_ARGS:-}
 has small && step bench_small_model 150 python3 benchmarks/bench_small_model.py --json "$LOGS/small_model.json"
 if has model; then
-  kj=$(ls "$LOGS"/kernels_1.json results/kernels.json 2>/dev/null | head -1)
-  dj=$(ls "$LOGS"/dispatch.json results/dispatch.json 2>/dev/null | head -1)
-  step bench_model 60 python3 -m fp8a2a.bench --model --kernels-json "$kj" --dispatch-json "$dj" \
-    --alltoall-json results/alltoall_ep2.json --json "$LOGS/model.json"
+  # this session's measurements where they exist (the scale model says which inputs it measured)
+  margs=(--alltoall-json results/alltoall_ep2.json --json "$LOGS/model.json")
+  [[ -f $LOGS/kernels_1.json ]] && margs+=(--kernels-json "$LOGS/kernels_1.json")
+  [[ -f $LOGS/dispatch.json ]] && margs+=(--dispatch-json "$LOGS/dispatch.json")
+  step bench_model 60 python3 -m fp8a2a.bench --model "${margs[@]}"
 fi
 if [[ $mode == *,bench,* ]]; then
   for i in $(seq "$REPEAT"); do

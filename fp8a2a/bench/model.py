@@ -277,7 +277,9 @@ def from_dispatch_json(params: Params, path: str) -> Params:
     world-size-1 points at 128 and 4096 tokens (median device time of dispatch + combine)."""
     with open(path) as f:
         doc = json.load(f)
-    ws1 = {p["tokens"]: p for p in doc.get("points", []) if p.get("ws1")}
+    if not isinstance(doc, dict) or "points" not in doc:
+        raise ValueError(f"{path}: not a JSON of benchmarks/bench_dispatch.py (no 'points'; an older run?)")
+    ws1 = {p["tokens"]: p for p in doc["points"] if p.get("ws1")}
     small, large = ws1.get(min(ws1, default=0)), ws1.get(max(ws1, default=0))
     for side, names in (("megatron", ("megatron_fused", "megatron")), ("fp8a2a", ("fp8a2a",))):
         name = next((n for n in names if _median(small, n) is not None), None)
