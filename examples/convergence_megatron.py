@@ -60,6 +60,7 @@ sys.path.insert(0, HERE)
 
 import fp8a2a  # noqa: E402
 import fp8a2a.megatron as fm  # noqa: E402
+from fp8a2a.experts import invalidate_fp8_weight_cache  # noqa: E402
 from train_convergence import Batches, load_corpus, lr_at, read_csv, step_seconds, sync, write_csv  # noqa: E402
 
 # letter: (run name, dispatcher, fp8a2a options, fp8_experts_spec, data order)
@@ -241,6 +242,7 @@ class Arm:
         self.params = list(params.values())
         fp32 = all(p.dtype == torch.float32 for p in self.params)
         self.master = self.params if fp32 else [p.detach().float().clone() for p in self.params]
+        self.have = None  # indices of the parameters that got gradients
         decay = [m for (n, p), m in zip(params.items(), self.master) if p.dim() >= 2 and "embedding" not in n]
         other = [m for (n, p), m in zip(params.items(), self.master) if not (p.dim() >= 2 and "embedding" not in n)]
         self.opt = torch.optim.AdamW([dict(params=decay, weight_decay=cfg.weight_decay),
@@ -261,17 +263,24 @@ class Arm:
         x, y = self.data.get(i)
         loss = self.loss(x, y)
         loss.backward()  # Megatron's routers add their aux-loss gradients (MoEAuxLossAutoScaler)
-        if self.master is not self.params:
-            for m, p in zip(self.master, self.params):
-                m.grad = None if p.grad is None else p.grad.float()
+        if self.master is not self.params:  # BF16 grads -> the FP32 masters' (kept, overwritten each step)
+            have = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if have != self.have:
+                for i, m in enumerate(self.master):
+                    m.grad = None
+                for i in have:
+                    self.master[i].grad = torch.empty_like(self.master[i])
+                self.have = have
+            torch._foreach_copy_([self.master[i].grad for i in have], [self.params[i].grad for i in have])
+            for p in self.params:
                 p.grad = None
-        torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip, foreach=True)
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.master is not self.params:
+        if self.master is self.params:
+            self.opt.zero_grad(set_to_none=True)
+        else:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
-        from fp8a2a.experts import invalidate_fp8_weight_cache
         invalidate_fp8_weight_cache()  # the FP8 experts' cached weights (the copy above bumps versions too)
         return loss.detach()
 
@@ -375,7 +384,7 @@ def load_dirs(dirs):
             arms[s["arm"]] = dict(s, run=run, dir=d)
         meta.setdefault(seed, []).append(dict(dir=d, steps=m.get("steps"), device=m.get("device"),
                                               versions=m.get("versions"), config=m.get("config"),
-                                              skipped=m.get("skipped")))
+                                              corpus=m.get("corpus"), skipped=m.get("skipped")))
     for seed, arms in seeds.items():
         if len({round(s["init_checksum"], 3) for s in arms.values()}) > 1:
             raise ValueError(f"seed {seed}: the arms start from different weights "
@@ -423,10 +432,11 @@ def requirements(seeds, meta):
     te = [r.get("te_fp8") or {} for r in runs]
     fine = all(c["experts"] >= 16 and c["topk"] >= 4 and c["hidden"] >= 512 and c["layers"] >= 4 for c in cfgs)
     paired = [s for s, a in seeds.items() if "A" in a and "noise" in a]
+    one = lambda key: len({json.dumps(m.get(key), sort_keys=True) for ms in meta.values() for m in ms}) <= 1  # noqa: E731
     return dict(seeds=sorted(seeds), seeds_with_a_and_noise=len(paired), enough_seeds=len(paired) >= MIN_SEEDS,
                 min_steps=min((r["steps"] for r in runs), default=0),
                 enough_steps=min((r["steps"] for r in runs), default=0) >= MIN_STEPS,
-                fine_grained_model=bool(cfgs) and fine,
+                fine_grained_model=bool(cfgs) and fine, one_config=one("config"), one_corpus=one("corpus"),
                 te_fp8_blockwise_every_run=all(t.get("enabled") and t.get("recipe") == "Float8BlockScaling"
                                                for t in te),
                 fp8_wire_in_fp8_arms=all(r.get("fp8_wire") and r.get("wire_granularity") == [r["options"]["granularity"]]
