@@ -210,11 +210,14 @@ class Probe:
         if self.te_fp8 is not None:
             return
         try:
-            from transformer_engine.pytorch.fp8 import FP8GlobalStateManager as M
-        except ImportError:
-            from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
-        on = bool(M.is_fp8_enabled())
-        self.te_fp8 = dict(enabled=on, recipe=type(M.get_fp8_recipe()).__name__ if on else None)
+            try:
+                from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
+            except ImportError:
+                from transformer_engine.pytorch.fp8 import FP8GlobalStateManager as M
+            on = bool(M.is_fp8_enabled())
+            self.te_fp8 = dict(enabled=on, recipe=type(M.get_fp8_recipe()).__name__ if on else None)
+        except Exception as e:  # noqa: BLE001  (a probe must not stop the run; the summary shows it)
+            self.te_fp8 = dict(enabled=None, recipe=None, error=f"{type(e).__name__}: {e}")
 
     def report(self):
         return dict(fp8_wire=self.dispatches > 0 and self.fp8_dispatches == self.dispatches,
