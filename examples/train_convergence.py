@@ -294,19 +294,24 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def step_seconds(run, device, n):
+    """Seconds per run.step(i) over steps 5..n-1, after steps 0..4 (warm-up: kernels, autotuning)."""
+    for i in range(5):
+        run.step(i)
+    sync(device)
+    t = time.perf_counter()
+    for i in range(5, n):
+        run.step(i)
+    sync(device)
+    return (time.perf_counter() - t) / (n - 5)
+
+
 def calibrate(names, cfg, device, batches, steps, n=30):
     """Seconds per training step and per evaluation of each run (also warms up kernels/autotuning)."""
     est, n = {}, max(6, min(n, steps))
     for name in names:
         r = Run(name, cfg, device, batches, steps)
-        for i in range(5):
-            r.step(i)
-        sync(device)
-        t = time.perf_counter()
-        for i in range(5, n):
-            r.step(i)
-        sync(device)
-        t_step = (time.perf_counter() - t) / (n - 5)
+        t_step = step_seconds(r, device, n)
         t = time.perf_counter()
         r.val_loss()
         est[name] = (t_step, time.perf_counter() - t)

@@ -80,3 +80,131 @@ def test_merge_seeds(tmp_path):
     assert on_disk["bf16_seed_spread"]["max_over_min"] == pytest.approx(0.02)
     if importlib.util.find_spec("matplotlib"):
         assert (out / "convergence.png").stat().st_size > 0
+
+
+# ---- examples/convergence_megatron.py (megatron-core GPTModel, arms A-E + noise floor) ------------
+
+MEGATRON_SCRIPT = os.path.join(ROOT, "examples", "convergence_megatron.py")
+
+
+def run_megatron_example(*args, check=True):
+    done = subprocess.run([sys.executable, MEGATRON_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    if check:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+def test_megatron_arms_smoke(tmp_path):
+    """CPU, tiny, local spec, no TE: arms A, B and the noise floor in two processes (--jobs 2) for 10
+    steps: the CSV's runs and columns, finite falling losses, one initialization, and B really sent
+    FP8 rows (row scales) while A and the noise arm did not."""
+    pytest.importorskip("megatron.core")
+    steps, out = 10, tmp_path / "seed3"
+    run_megatron_example("--device", "cpu", "--tiny", "--steps", str(steps), "--arms", "A,B,noise", "--seed", "3",
+                         "--jobs", "2", "--threads", "1", "--corpus-bytes", "1000000", "--out", str(out), "--quiet")
+    with open(out / "convergence.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["run", "step", "train_loss", "val_loss"]
+    names = {"bf16_seed3": "A", "fp8_row_seed3": "B", "bf16_order2_seed3": "noise"}
+    assert set(r["run"] for r in rows) == set(names)
+    meta = json.loads((out / "summary.json").read_text())
+    assert meta["seed"] == 3 and meta["steps"] == steps and not meta["skipped"]
+    assert set(meta["runs"]) == set(names)
+    for run, arm in names.items():
+        rr = [r for r in rows if r["run"] == run]
+        assert [int(r["step"]) for r in rr] == [5, 10]
+        train = [float(r["train_loss"]) for r in rr]
+        val = [float(r["val_loss"]) for r in rr]
+        assert all(math.isfinite(v) for v in train + val), run
+        assert train[-1] < math.log(256) and val[-1] < val[0], (run, train, val)  # it learns
+        s = meta["runs"][run]
+        assert s["arm"] == arm and s["steps"] == steps and not s["truncated"] and math.isfinite(s["final_val_loss"])
+        assert s["fp8_wire"] == (arm == "B"), run  # the FP8 arm really dispatched FP8 rows
+        assert s["wire_granularity"] == (["row"] if arm == "B" else []), run
+        assert s["dispatcher"] == ("fp8_alltoall" if arm == "B" else "allgather")  # alltoall needs CUDA
+        assert s["te_fp8"] is None  # no TE here
+    assert len({round(s["init_checksum"], 6) for s in meta["runs"].values()}) == 1  # one initialization
+    assert set(meta["gaps_vs_bf16"]) == {"fp8_row", "bf16_order2"}
+
+
+def synthetic_seed_dir(path, seed, gaps, steps=3000, checksum=123.0):
+    """A per-seed output dir as convergence_megatron.py writes it: arm A's final val loss, and the
+    others' at A's times (1 + gap)."""
+    names = {"A": "bf16", "B": "fp8_row", "C": "fp8_block128", "D": "fp8_experts", "noise": "bf16_order2"}
+    ref = 1.0 + 0.01 * seed
+    path.mkdir(parents=True)
+    runs, rows = {}, []
+    for arm, g in gaps.items():
+        v = ref * (1 + g)
+        run = f"{names[arm]}_seed{seed}"
+        fp8 = arm in ("B", "C", "D")
+        runs[run] = dict(arm=arm, name=names[arm], dispatcher="fp8_alltoall" if fp8 else "alltoall",
+                         options={"granularity": "block128" if arm == "C" else "row"} if fp8 else {},
+                         steps=steps, truncated=False, ms_per_step=10.0, final_val_loss=v,
+                         init_checksum=checksum, fp8_wire=fp8,
+                         wire_granularity=(["block128"] if arm == "C" else ["row"]) if fp8 else [],
+                         te_fp8=dict(enabled=True, recipe="Float8BlockScaling"))
+        rows += [dict(run=run, step=s, train_loss=v + 1000 / s, val_loss=v + 500 / s) for s in (1000, 2000, 3000)]
+    write_csv(rows, path / "convergence.csv")
+    config = dict(layers=4, hidden=512, experts=16, topk=4)
+    (path / "summary.json").write_text(json.dumps(dict(seed=seed, steps=steps, config=config, runs=runs)))
+    return str(path)
+
+
+def test_megatron_merge_t_interval(tmp_path):
+    """--merge of 5 synthetic seeds (seed 3 split over two dirs): the per-seed gaps against arm A of
+    the same seed, their mean, sd and 95% t-interval (t(0.975, 4) = 2.776), the noise floor, and the
+    target checks (B meets all; C fails |mean| <= 0.25% and the 2x-noise bound)."""
+    b = [0.001, -0.001, 0.002, 0.0, 0.0005]
+    c = [0.003, 0.0025, 0.0035, 0.002, 0.003]
+    noise = [0.0005, -0.0012, 0.0003, 0.0002, -0.0004]
+    dirs = []
+    for k, seed in enumerate((1, 2, 3, 4, 5)):
+        gaps = dict(A=0.0, B=b[k], C=c[k], noise=noise[k])
+        if seed == 3:  # arm C of seed 3 ran in another session
+            dirs.append(synthetic_seed_dir(tmp_path / "s3c", seed, dict(C=gaps.pop("C"))))
+        dirs.append(synthetic_seed_dir(tmp_path / f"s{seed}", seed, gaps))
+    out = tmp_path / "merged"
+    run_megatron_example("--merge", *dirs, "--out", str(out), "--quiet")
+    m = json.loads((out / "convergence_summary.json").read_text())
+    with open(out / "convergence.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["run", "step", "train_loss", "val_loss"]
+    assert {r["run"] for r in rows} >= {"bf16_seed1", "fp8_row_seed5", "fp8_block128_seed3", "bf16_order2_seed2"}
+    assert m["seeds"] == [1, 2, 3, 4, 5]
+
+    B = m["arms"]["B"]
+    assert B["role"] == "target" and B["n"] == 5
+    assert [B["gaps"][str(s)] for s in range(1, 6)] == pytest.approx(b, abs=1e-12)
+    mean = sum(b) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in b) / 4)
+    assert B["mean"] == pytest.approx(0.0005) and B["sd"] == pytest.approx(sd) and sd == pytest.approx(0.001118034)
+    assert B["t"] == pytest.approx(2.776, abs=1e-3)
+    half = 2.7764 * sd / math.sqrt(5)
+    assert B["half_width"] == pytest.approx(half, rel=1e-4) and half == pytest.approx(0.0013882, rel=1e-4)
+    assert B["ci95"] == pytest.approx([mean - half, mean + half], rel=1e-4)
+    nf = m["noise_floor"]
+    assert nf["n"] == 5 and nf["max_abs"] == pytest.approx(0.0012) and nf["mean"] == pytest.approx(sum(noise) / 5)
+    assert B["noise_limit"] == pytest.approx(0.0024)
+    assert B["checks"] == dict(mean_within=True, ci_within=True, seeds_within_noise=True) and B["meets_targets"]
+
+    C = m["arms"]["C"]
+    assert C["mean"] == pytest.approx(0.0028) and C["max_abs"] == pytest.approx(0.0035)
+    assert C["checks"] == dict(mean_within=False, ci_within=True, seeds_within_noise=False)
+    assert C["meets_targets"] is False
+    assert "D" not in m["arms"] and m["verdict"] == "targets NOT met"
+    assert all(v for k, v in m["requirements"].items() if isinstance(v, bool)), m["requirements"]
+    text = (out / "convergence_summary.txt").read_text()
+    assert "+0.050%" in text and "[-0.089%, +0.189%]" in text
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "convergence.png").stat().st_size > 0
+
+    # two seeds: t(0.975, 1) = 12.706; a seed whose arms start from other weights is refused
+    two = run_megatron_example("--merge", dirs[0], dirs[1], "--out", str(tmp_path / "two"), "--quiet")
+    assert json.loads((tmp_path / "two" / "convergence_summary.json").read_text())["arms"]["B"]["t"] == \
+        pytest.approx(12.706, abs=1e-3), two.stdout
+    odd = synthetic_seed_dir(tmp_path / "odd", 9, dict(A=0.0), checksum=1.0)
+    odd_b = synthetic_seed_dir(tmp_path / "odd_b", 9, dict(B=0.001), checksum=2.0)
+    done = run_megatron_example("--merge", odd, odd_b, "--out", str(tmp_path / "bad"), check=False)
+    assert done.returncode != 0 and "different weights" in done.stderr

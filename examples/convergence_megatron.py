@@ -1,0 +1,723 @@
+#!/usr/bin/env python
+"""Convergence of fp8_alltoall in the setting users run: a megatron-core GPTModel whose MoE layers
+come from Megatron's TransformerEngine spec (TEGroupedMLP experts, fine-grained: 16 experts top-4,
+d_model 512, 4 layers), every arm trained under TE's FP8 blockwise recipe (Megatron's fp8="e4m3",
+fp8_recipe="blockwise", moe_router_padding_for_quantization). Arms of one seed:
+
+  A      bf16                alltoall (Megatron's; BF16 on the wire)
+  B      fp8_row             fp8_alltoall, row scales
+  C      fp8_block128        fp8_alltoall, one scale per 128 values
+  D      fp8_experts         fp8_alltoall (row) + fp8a2a.megatron.fp8_experts_spec
+  E      fp8_experts_dgrad   D with FP8 input-gradient GEMMs (fp8a2a_fp8_dgrad)
+  noise  bf16_order2         A with a second data order: the run-to-run noise floor
+
+A seed sets the initialization (every arm of a seed copies the weights of one reference model built
+from it) and the data order (byte windows of the Python standard library's .py files, the corpus of
+examples/train_convergence.py; the noise arm draws a second order). The FP8 arms force FP8 on the
+wire at world size 1 (fp8a2a_bf16_below_bytes=0): the dispatcher still quantizes, packs and unpacks.
+Weights are BF16 on the GPU with FP32 master copies in AdamW (what Megatron's mixed-precision
+optimizer does); cosine schedule with warmup.
+
+Per seed, DIR gets convergence.csv (run,step,train_loss,val_loss; runs <arm name>_seed<N>; train_loss
+the mean since the previous log, val_loss a fixed held-out subset, nats per byte), summary.json (per
+run: the final loss on the whole held-out split, ms/step, fp8_wire: the FP8 arms really sent FP8
+rows, te_fp8: TE's FP8 autocast was on, with its recipe) and summary.txt.
+
+  python examples/convergence_megatron.py --seed 1 --out out/seed1                 # one H200, 6 arms
+  python examples/convergence_megatron.py --seed 1 --arms A,B,C --out out/s1a --time-budget 540
+  python examples/convergence_megatron.py --seed 1 --jobs 3 --out out/seed1        # arms in 3 processes
+  python examples/convergence_megatron.py --device cpu --tiny --steps 10 --arms A,B,noise --out /tmp/c
+  python examples/convergence_megatron.py --merge out/seed1 out/s1a ... --out results
+
+--merge: dirs of the same seed may hold different arms (a seed split over sessions); per arm, the
+per-seed gaps of the final validation loss against arm A of the same seed, their mean and 95%
+t-interval over seeds, next to the noise floor's (bf16_order2 against bf16); the targets (issue 20)
+are evaluated, never assumed: B and C |mean gap| <= 0.25% and the 95% interval inside +-0.5%, no
+seed's |gap| above twice the noise floor's largest; D and E reported against the same bounds.
+Writes convergence.csv, convergence_summary.json, convergence_summary.txt, convergence.png.
+
+--time-budget SEC: every arm is timed for a few steps first; arms are trained in order (A first)
+while their estimated time fits, the others are listed in summary.json as skipped (run them in
+another session with the same --seed and --steps, then merge). --device cpu --tiny: the local spec,
+no TE and no FP8 recipe (Megatron's alltoall needs CUDA: arm A uses allgather there), tiny sizes; a
+functional smoke only.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import types
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import fp8a2a  # noqa: E402
+import fp8a2a.megatron as fm  # noqa: E402
+from fp8a2a.experts import invalidate_fp8_weight_cache  # noqa: E402
+from train_convergence import Batches, load_corpus, lr_at, read_csv, step_seconds, sync, write_csv  # noqa: E402
+
+# letter: (run name, dispatcher, fp8a2a options, fp8_experts_spec, data order)
+ARMS = {
+    "A": ("bf16", "alltoall", {}, False, 1),
+    "B": ("fp8_row", fm.FP8_ALLTOALL, {"granularity": "row"}, False, 1),
+    "C": ("fp8_block128", fm.FP8_ALLTOALL, {"granularity": "block128"}, False, 1),
+    "D": ("fp8_experts", fm.FP8_ALLTOALL, {"granularity": "row"}, True, 1),
+    "E": ("fp8_experts_dgrad", fm.FP8_ALLTOALL, {"granularity": "row", "fp8_dgrad": True}, True, 1),
+    "noise": ("bf16_order2", "alltoall", {}, False, 2),
+}
+DEFAULT_ARMS = "A,B,C,D,E,noise"
+TARGET_MEAN = 0.0025  # |mean paired gap| <= 0.25%
+TARGET_CI = 0.005  # the 95% t-interval inside +-0.5%
+NOISE_FACTOR = 2.0  # no seed's |gap| above twice the noise floor's largest |gap|
+TARGET_ARMS = ("B", "C")  # held to the targets; D and E reported against the same bounds
+MIN_SEEDS, MIN_STEPS = 5, 3000
+
+# two-sided 95% quantiles of Student's t, t(0.975, df), df = 1..30
+T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
+        2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639,
+        2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def t975(df):
+    """t(0.975, df): the table up to 30, then the Cornish-Fisher expansion around z = 1.95996."""
+    if df < 1:
+        raise ValueError("df >= 1")
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def t_interval(xs):
+    """(mean, sample sd, t, half width, (lo, hi)) of xs; sd/t/interval None for a single value."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, None, None, None, None
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    t = t975(n - 1)
+    h = t * sd / math.sqrt(n)
+    return m, sd, t, h, (m - h, m + h)
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+def model_config(a):
+    cpu = a.device == "cpu"
+    d = dict(layers=4, hidden=512, heads=8, experts=16, topk=4, moe_ffn=256, shared_expert=0, seq=512, batch=8,
+             lr=1e-3, warmup=100, min_lr_frac=0.1, weight_decay=0.1, grad_clip=1.0, aux_coef=1e-2, log_every=100,
+             val_seqs=64, val_full_max=4096)
+    if a.tiny:
+        d.update(layers=2, hidden=128, heads=4, experts=4, topk=2, moe_ffn=64, seq=32, batch=4, lr=3e-3, warmup=5,
+                 log_every=5, val_seqs=8, val_full_max=16)
+    for k in d:
+        v = getattr(a, k, None)
+        if v is not None:
+            d[k] = v
+    d.update(te=not cpu and not a.local_spec, fp8_recipe=None if cpu or a.fp8_recipe == "none" else a.fp8_recipe,
+             bf16=(not cpu) if a.bf16 is None else a.bf16, vocab=256)
+    return types.SimpleNamespace(**d)
+
+
+def build_model(cfg, arm, device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer import TransformerConfig
+    from fp8a2a.megatron.testing import with_portable_router
+
+    name, dispatcher, opts, fp8_experts, _ = ARMS[arm]
+    cpu = device.type == "cpu"
+    if dispatcher == "alltoall" and cpu:
+        dispatcher = "allgather"  # megatron-core's alltoall makes CUDA streams
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    kw = dict(num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+              ffn_hidden_size=cfg.moe_ffn, moe_ffn_hidden_size=cfg.moe_ffn, num_moe_experts=cfg.experts,
+              moe_router_topk=cfg.topk, moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=cfg.aux_coef,
+              moe_router_load_balancing_type="aux_loss", moe_router_dtype="fp32", moe_grouped_gemm=cfg.te,
+              moe_permute_fusion=cfg.te, moe_shared_expert_intermediate_size=cfg.shared_expert or None,
+              gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+              normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0, bf16=cfg.bf16, params_dtype=dtype,
+              pipeline_dtype=dtype, use_cpu_initialization=cpu, init_method_std=0.02)
+    if cfg.fp8_recipe:
+        kw.update(fp8="e4m3", fp8_recipe=cfg.fp8_recipe, moe_router_padding_for_quantization=True)
+    config = TransformerConfig(**kw)
+    if dispatcher == fm.FP8_ALLTOALL:
+        for k, v in {"bf16_below_bytes": 0, **opts}.items():  # FP8 on the wire even at world size 1
+            setattr(config, "fp8a2a_" + k, v)
+    if cfg.te:
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.experts, moe_grouped_gemm=True)
+    else:
+        spec = with_portable_router(specs.get_gpt_layer_local_spec(num_experts=cfg.experts, moe_grouped_gemm=False))
+    if fp8_experts:
+        spec = fm.fp8_experts_spec(spec)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab, max_sequence_length=cfg.seq,
+                     position_embedding_type="rope")
+    return model.to(device=device, dtype=dtype), config, dispatcher
+
+
+def seed_everything(seed, device):
+    from megatron.core import tensor_parallel
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=device.type == "cpu")
+
+
+def reference_weights(cfg, seed, device):
+    """The initialization of `seed`: the weights of arm A's model built from it (every arm copies them)."""
+    seed_everything(seed, device)
+    model, _, _ = build_model(cfg, "A", device)
+    w = {n: p.detach().clone() for n, p in model.named_parameters()}
+    del model
+    return w
+
+
+class Probe:
+    """What really ran: the FP8 rows on the wire (fp8a2a's Dispatcher output), what the experts got,
+    and whether TE's FP8 autocast (and which recipe) was on in the attention's first linear."""
+
+    def __init__(self, model):
+        from fp8a2a.quant import QuantizedTensor
+        self.dispatches = self.fp8_dispatches = 0
+        self.experts_input, self.wire = set(), set()
+        self.te_fp8 = None
+        layers = list(model.decoder.layers)
+        for layer in layers:
+            mlp = layer.mlp
+            inner = getattr(mlp.token_dispatcher, "dispatcher", None)
+            if isinstance(inner, fp8a2a.Dispatcher):
+                def dispatch(*args, _orig=inner.dispatch, **kw):
+                    out = _orig(*args, **kw)
+                    self.dispatches += 1
+                    if isinstance(out.tokens, QuantizedTensor):
+                        self.fp8_dispatches += 1
+                        self.wire.add(str(out.tokens.granularity))
+                    return out
+                inner.dispatch = dispatch
+            mlp.experts.register_forward_pre_hook(lambda m, args: self.experts_input.add(type(args[0]).__name__))
+        qkv = getattr(layers[0].self_attention, "linear_qkv", None)
+        if qkv is not None and type(qkv).__module__.startswith("megatron.core.extensions"):
+            qkv.register_forward_pre_hook(self._te_state)
+
+    def _te_state(self, module, args):
+        if self.te_fp8 is not None:
+            return
+        try:
+            try:
+                from transformer_engine.pytorch.quantization import FP8GlobalStateManager as M
+            except ImportError:
+                from transformer_engine.pytorch.fp8 import FP8GlobalStateManager as M
+            on = bool(M.is_fp8_enabled())
+            self.te_fp8 = dict(enabled=on, recipe=type(M.get_fp8_recipe()).__name__ if on else None)
+        except Exception as e:  # noqa: BLE001  (a probe must not stop the run; the summary shows it)
+            self.te_fp8 = dict(enabled=None, recipe=None, error=f"{type(e).__name__}: {e}")
+
+    def report(self):
+        return dict(fp8_wire=self.dispatches > 0 and self.fp8_dispatches == self.dispatches,
+                    fp8_dispatch_fraction=(self.fp8_dispatches / self.dispatches) if self.dispatches else None,
+                    wire_granularity=sorted(self.wire), experts_input=sorted(self.experts_input),
+                    te_fp8=self.te_fp8)
+
+
+class Arm:
+    """One arm's model (the seed's initialization), FP32 master weights, AdamW, data order."""
+
+    def __init__(self, arm, cfg, init, data, device, steps):
+        self.arm, self.cfg, self.data, self.device, self.steps = arm, cfg, data, device, steps
+        self.name = ARMS[arm][0]
+        seed_everything(0, device)
+        self.model, self.config, self.dispatcher = build_model(cfg, arm, device)
+        params = dict(self.model.named_parameters())
+        if set(params) != set(init):
+            raise RuntimeError(f"arm {arm}: parameters differ from the reference: {sorted(set(params) ^ set(init))}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(init[n])
+        self.init_checksum = float(sum(p.detach().double().sum() for p in params.values()))
+        self.probe = Probe(self.model)
+        self.params = list(params.values())
+        fp32 = all(p.dtype == torch.float32 for p in self.params)
+        self.master = self.params if fp32 else [p.detach().float().clone() for p in self.params]
+        self.have = None  # indices of the parameters that got gradients
+        decay = [m for (n, p), m in zip(params.items(), self.master) if p.dim() >= 2 and "embedding" not in n]
+        other = [m for (n, p), m in zip(params.items(), self.master) if not (p.dim() >= 2 and "embedding" not in n)]
+        self.opt = torch.optim.AdamW([dict(params=decay, weight_decay=cfg.weight_decay),
+                                      dict(params=other, weight_decay=0.0)], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     foreach=True)
+        s, b = cfg.seq, cfg.batch
+        self.pos = torch.arange(s, device=device)[None].expand(b, -1)
+        # the local spec's attention takes the causal mask; TE's uses its causal mask type
+        self.mask = None if cfg.te else torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
+
+    def loss(self, x, y):
+        return self.model(x, self.pos[: x.shape[0]], self.mask, labels=y).float().mean()
+
+    def step(self, i):
+        self.model.train()
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(i, self.steps, self.cfg)
+        x, y = self.data.get(i)
+        loss = self.loss(x, y)
+        loss.backward()  # Megatron's routers add their aux-loss gradients (MoEAuxLossAutoScaler)
+        if self.master is not self.params:  # BF16 grads -> the FP32 masters' (kept, overwritten each step)
+            have = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if have != self.have:
+                for i, m in enumerate(self.master):
+                    m.grad = None
+                for i in have:
+                    self.master[i].grad = torch.empty_like(self.master[i])
+                self.have = have
+            torch._foreach_copy_([self.master[i].grad for i in have], [self.params[i].grad for i in have])
+            for p in self.params:
+                p.grad = None
+        torch.nn.utils.clip_grad_norm_(self.master, self.cfg.grad_clip, foreach=True)
+        self.opt.step()
+        if self.master is self.params:
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.master)
+        invalidate_fp8_weight_cache()  # the FP8 experts' cached weights (the copy above bumps versions too)
+        return loss.detach()
+
+    @torch.no_grad()
+    def val_loss(self, full=False):
+        self.model.eval()
+        v, tot, b = (self.data.val_full if full else self.data.val), 0.0, self.cfg.batch
+        for i in range(0, v.shape[0] - b + 1, b):  # whole batches (the training shape)
+            w = v[i: i + b]
+            tot = tot + self.loss(w[:, :-1], w[:, 1:]) * w.shape[0]
+        self.model.train()
+        return float(tot) / (v.shape[0] // b * b)
+
+
+def calibrate(arms, cfg, init, data, device, steps, n=15):
+    """Seconds per step, per logged evaluation and for the build + final evaluation, per arm (this
+    also warms up kernels and autotuning)."""
+    est = {}
+    for arm in arms:
+        t = time.perf_counter()
+        r = Arm(arm, cfg, init, data[ARMS[arm][4]], device, steps)
+        t_build = time.perf_counter() - t
+        t_step = step_seconds(r, device, n)
+        t = time.perf_counter()
+        r.val_loss()
+        t_val = time.perf_counter() - t
+        t_full = t_val * data[1].val_full.shape[0] / max(1, data[1].val.shape[0])
+        est[arm] = dict(step=t_step, val=t_val, fixed=t_build + t_full)
+        del r
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return est
+
+
+def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=print):
+    r = Arm(arm, cfg, init, data, device, steps)
+    acc, n_acc, done, truncated, t_train = torch.zeros((), device=device), 0, 0, False, 0.0
+    last = None
+    sync(device)
+    t = time.perf_counter()
+    for i in range(steps):
+        acc += r.step(i)
+        n_acc += 1
+        done = i + 1
+        if done % cfg.log_every == 0 or done == steps:
+            tl = float(acc) / n_acc
+            t_train += time.perf_counter() - t
+            vl = r.val_loss()
+            if not (math.isfinite(tl) and math.isfinite(vl)):
+                raise SystemExit(f"{run}: step {done}: loss {tl} / val {vl}")
+            rows.append(dict(run=run, step=done, train_loss=tl, val_loss=vl))
+            last = (tl, vl)
+            log(f"{run:28s} step {done:6d}  train {tl:.4f}  val {vl:.4f}  {1e3 * t_train / done:6.1f} ms/step")
+            acc.zero_()
+            n_acc = 0
+            if deadline is not None and time.perf_counter() > deadline and done < steps:
+                truncated = True
+                log(f"{run}: the time budget ran out at step {done} of {steps}")
+                break
+            t = time.perf_counter()
+    full = r.val_loss(full=True)
+    out = dict(arm=arm, name=ARMS[arm][0], dispatcher=r.dispatcher, options=ARMS[arm][2],
+               fp8_experts=ARMS[arm][3], data_order=ARMS[arm][4], steps=done, truncated=truncated,
+               ms_per_step=round(1e3 * t_train / max(1, done), 2), final_train_loss=last[0] if last else None,
+               final_val_loss_subset=last[1] if last else None, final_val_loss=full, init_checksum=r.init_checksum,
+               experts=type(r.model.decoder.layers[0].mlp.experts).__name__, **r.probe.report())
+    del r
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# per-seed results, gaps, merge
+
+
+def run_name(arm, seed):
+    return f"{ARMS[arm][0]}_seed{seed}"
+
+
+def gap(run, ref):
+    """Relative gap of the final validation loss (whole held-out split): run / ref - 1."""
+    if run is None or ref is None or run.get("truncated") or ref.get("truncated") or run["steps"] != ref["steps"]:
+        return None
+    return run["final_val_loss"] / ref["final_val_loss"] - 1.0
+
+
+def load_dirs(dirs):
+    """Rows and {seed: {arm: run stats}} of per-seed output dirs (several dirs may share a seed, each
+    with other arms); checks one step count per seed and one initialization per seed."""
+    rows, seeds, meta = [], {}, {}
+    for d in dirs:
+        with open(os.path.join(d, "summary.json")) as f:
+            m = json.load(f)
+        seed = int(m["seed"])
+        rows += read_csv(os.path.join(d, "convergence.csv"))
+        arms = seeds.setdefault(seed, {})
+        for run, s in m["runs"].items():
+            if s["arm"] in arms:
+                raise ValueError(f"{d}: arm {s['arm']} of seed {seed} appears twice")
+            arms[s["arm"]] = dict(s, run=run, dir=d)
+        meta.setdefault(seed, []).append(dict(dir=d, steps=m.get("steps"), device=m.get("device"),
+                                              versions=m.get("versions"), config=m.get("config"),
+                                              corpus=m.get("corpus"), skipped=m.get("skipped")))
+    for seed, arms in seeds.items():
+        if len({round(s["init_checksum"], 3) for s in arms.values()}) > 1:
+            raise ValueError(f"seed {seed}: the arms start from different weights "
+                             f"({ {a: s['init_checksum'] for a, s in arms.items()} })")
+        if len({s["steps"] for s in arms.values() if not s.get("truncated")}) > 1:
+            raise ValueError(f"seed {seed}: runs of different step counts {[s['steps'] for s in arms.values()]}")
+    return rows, seeds, meta
+
+
+def evaluate(seeds):
+    """Per arm: gaps against A of the same seed, their t-interval and the target checks."""
+    noise = {s: gap(a.get("noise"), a.get("A")) for s, a in seeds.items()}
+    noise = {s: g for s, g in noise.items() if g is not None}
+    nf = None
+    if noise:
+        m, sd, t, h, ci = t_interval(list(noise.values()))
+        nf = dict(gaps={str(s): g for s, g in noise.items()}, n=len(noise), mean=m, sd=sd, t=t, half_width=h,
+                  ci95=ci, max_abs=max(abs(g) for g in noise.values()))
+    out = {}
+    for arm in [a for a in ARMS if a not in ("A", "noise")]:
+        gaps = {s: gap(a.get(arm), a.get("A")) for s, a in seeds.items()}
+        gaps = {s: g for s, g in gaps.items() if g is not None}
+        if not gaps:
+            continue
+        m, sd, t, h, ci = t_interval(list(gaps.values()))
+        worst = max(abs(g) for g in gaps.values())
+        limit = NOISE_FACTOR * nf["max_abs"] if nf else None
+        checks = dict(mean_within=abs(m) <= TARGET_MEAN,
+                      ci_within=None if ci is None else (-TARGET_CI <= ci[0] and ci[1] <= TARGET_CI),
+                      seeds_within_noise=None if limit is None else worst <= limit)
+        runs = [seeds[s][arm] for s in gaps]
+        out[arm] = dict(name=ARMS[arm][0], role="target" if arm in TARGET_ARMS else "reported",
+                        gaps={str(s): g for s, g in gaps.items()}, n=len(gaps), mean=m, sd=sd, t=t, half_width=h,
+                        ci95=ci, max_abs=worst, noise_limit=limit, checks=checks,
+                        meets_targets=None if None in checks.values() else all(checks.values()),
+                        fp8_wire=all(r.get("fp8_wire") for r in runs),
+                        ms_per_step=sum(r["ms_per_step"] for r in runs) / len(runs))
+    return out, nf
+
+
+def requirements(seeds, meta):
+    """The issue's setup, as measured (not assumed)."""
+    runs = [r for a in seeds.values() for r in a.values()]
+    cfgs = [m["config"] for ms in meta.values() for m in ms if m.get("config")]
+    te = [r.get("te_fp8") or {} for r in runs]
+    fine = all(c["experts"] >= 16 and c["topk"] >= 4 and c["hidden"] >= 512 and c["layers"] >= 4 for c in cfgs)
+    paired = [s for s, a in seeds.items() if "A" in a and "noise" in a]
+    one = lambda key: len({json.dumps(m.get(key), sort_keys=True) for ms in meta.values() for m in ms}) <= 1  # noqa: E731
+    return dict(seeds=sorted(seeds), seeds_with_a_and_noise=len(paired), enough_seeds=len(paired) >= MIN_SEEDS,
+                min_steps=min((r["steps"] for r in runs), default=0),
+                enough_steps=min((r["steps"] for r in runs), default=0) >= MIN_STEPS,
+                fine_grained_model=bool(cfgs) and fine, one_config=one("config"), one_corpus=one("corpus"),
+                te_fp8_blockwise_every_run=all(t.get("enabled") and t.get("recipe") == "Float8BlockScaling"
+                                               for t in te),
+                fp8_wire_in_fp8_arms=all(r.get("fp8_wire") and r.get("wire_granularity") == [r["options"]["granularity"]]
+                                         for r in runs if r["dispatcher"] == fm.FP8_ALLTOALL))
+
+
+def pct(v, signed=True):
+    return "n/a" if v is None else (f"{100 * v:+.3f}%" if signed else f"{100 * v:.3f}%")
+
+
+def summary_text(table, nf, req, seeds):
+    sl = sorted(seeds)
+    lines = ["final validation loss (whole held-out split) against arm A (bf16 alltoall) of the same seed",
+             "| arm | run | " + " | ".join(f"seed {s}" for s in sl) + " | mean | 95% t-interval | max abs | "
+             "|mean| <= 0.25% | CI inside +-0.5% | seeds <= 2x noise max | ms/step |",
+             "| --- |" + " --- |" * (len(sl) + 8)]
+    yn = lambda v: "n/a" if v is None else ("yes" if v else "NO")  # noqa: E731
+    if nf:
+        ci = "n/a" if nf["ci95"] is None else f"[{pct(nf['ci95'][0])}, {pct(nf['ci95'][1])}]"
+        lines.append("| noise | bf16_order2 | " + " | ".join(pct(nf["gaps"].get(str(s))) for s in sl)
+                     + f" | {pct(nf['mean'])} | {ci} | {pct(nf['max_abs'], False)} | | | | |")
+    for arm, t in table.items():
+        ci = "n/a" if t["ci95"] is None else f"[{pct(t['ci95'][0])}, {pct(t['ci95'][1])}]"
+        c = t["checks"]
+        lines.append(f"| {arm} ({t['role']}) | {t['name']} | " + " | ".join(pct(t["gaps"].get(str(s))) for s in sl)
+                     + f" | {pct(t['mean'])} | {ci} | {pct(t['max_abs'], False)} | {yn(c['mean_within'])} | "
+                       f"{yn(c['ci_within'])} | {yn(c['seeds_within_noise'])} | {t['ms_per_step']:.1f} |")
+    lines.append("setup as measured: " + ", ".join(f"{k}={v}" for k, v in req.items()))
+    return "\n".join(lines)
+
+
+def plot(rows, seeds, path):
+    """Validation loss per arm (mean over seeds, band min-max) and the per-step gap against arm A of
+    the same seed (mean, band min-max), with the noise floor's band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    by = {}
+    for r in rows:
+        by.setdefault(r["run"], {})[r["step"]] = r["val_loss"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
+    for k, arm in enumerate(ARMS):
+        curves = [by.get(run_name(arm, s), {}) for s in seeds if arm in seeds[s]]
+        refs = [by.get(run_name("A", s), {}) for s in seeds if arm in seeds[s]]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if not steps:
+            continue
+        kw = dict(color=f"C{k}", label=f"{arm}: {ARMS[arm][0]} ({len(curves)} seeds)")
+        vals = [[c[s] for c in curves] for s in steps]
+        a.plot(steps, [sum(v) / len(v) for v in vals], **kw)
+        a.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=f"C{k}", alpha=0.2)
+        if arm == "A":
+            continue
+        gs = [s for s in steps if all(s in r for r in refs)]
+        g = [[100 * (c[s] / r[s] - 1) for c, r in zip(curves, refs)] for s in gs]
+        b.plot(gs, [sum(v) / len(v) for v in g], **kw)
+        b.fill_between(gs, [min(v) for v in g], [max(v) for v in g], color=f"C{k}", alpha=0.15)
+    a.set_xlabel("step"), a.set_ylabel("val loss (nats/byte)"), a.set_title("validation loss, mean over seeds (band: min-max)")
+    lo = min((r["val_loss"] for r in rows), default=0)
+    a.set_ylim(lo - 0.05, lo + 1.0)
+    b.axhspan(-100 * TARGET_CI, 100 * TARGET_CI, color="green", alpha=0.08, label="+-0.5%")
+    b.axhline(0, color="k", lw=0.8)
+    b.set_ylim(-3, 3)
+    b.set_xlabel("step"), b.set_ylabel("val loss vs arm A of the same seed (%)")
+    b.set_title("gap to bf16 alltoall (band: min-max over seeds)")
+    for ax in (a, b):
+        ax.legend(fontsize=7), ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def merge(dirs, out, no_plot=False, log=print):
+    rows, seeds, meta = load_dirs(dirs)
+    table, nf = evaluate(seeds)
+    req = requirements(seeds, meta)
+    targets = [t["meets_targets"] for a, t in table.items() if a in TARGET_ARMS]
+    verdict = ("n/a: arms B and C missing" if not targets else
+               "n/a: too few seeds for an interval, or no noise floor" if None in targets else
+               ("targets met" if all(targets) else "targets NOT met")
+               + ("" if all(v for k, v in req.items() if isinstance(v, bool)) else
+                  " (but the setup falls short of issue 20's: see requirements)"))
+    merged = dict(merged_from=list(dirs), seeds=sorted(seeds), verdict=verdict,
+                  gap="final val loss (whole held-out split) / that of arm A of the same seed - 1",
+                  targets=dict(target_arms=list(TARGET_ARMS), abs_mean_max=TARGET_MEAN, ci95_within=TARGET_CI,
+                               seed_gap_max_over_noise_max=NOISE_FACTOR),
+                  noise_floor=nf, arms=table, requirements=req,
+                  per_seed={str(s): dict(runs=a, dirs=meta[s]) for s, a in sorted(seeds.items())})
+    os.makedirs(out, exist_ok=True)
+    write_csv(rows, os.path.join(out, "convergence.csv"))
+    with open(os.path.join(out, "convergence_summary.json"), "w") as f:
+        json.dump(merged, f, indent=2)
+    text = summary_text(table, nf, req, seeds) + f"\nverdict: {verdict}\n"
+    with open(os.path.join(out, "convergence_summary.txt"), "w") as f:
+        f.write(text)
+    log(text)
+    if not no_plot:
+        try:
+            plot(rows, seeds, os.path.join(out, "convergence.png"))
+        except ImportError:
+            log("matplotlib missing: no plot")
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def strip_args(argv, drop):
+    """argv without the options in drop (and their values)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+            continue
+        if x in drop:
+            skip = True
+            continue
+        if x.split("=", 1)[0] in drop:
+            continue
+        out.append(x)
+    return out
+
+
+def run_jobs(a, arms, argv, log):
+    """The arms in a.jobs processes at once (one GPU is far from busy with one such model), each
+    writing DIR/job<k>; then DIR gets their rows and runs together."""
+    groups = [arms[k::a.jobs] for k in range(a.jobs)]
+    base = strip_args(argv, {"--jobs", "--out", "--arms"})
+    procs = []
+    for k, g in enumerate(g for g in groups if g):
+        d = os.path.join(a.out, f"job{k}")
+        cmd = [sys.executable, os.path.abspath(__file__), *base, "--arms", ",".join(g), "--out", d, "--jobs", "1"]
+        procs.append((d, subprocess.Popen(cmd)))
+    bad = [d for d, p in procs if p.wait() != 0]
+    if bad:
+        raise SystemExit(f"jobs failed: {bad}")
+    rows, runs, skipped, first = [], {}, [], None
+    for d, _ in procs:
+        with open(os.path.join(d, "summary.json")) as f:
+            m = json.load(f)
+        first = first or m
+        runs.update(m["runs"])
+        skipped += m.get("skipped") or []
+        rows += read_csv(os.path.join(d, "convergence.csv"))
+    meta = dict(first, runs=runs, skipped=skipped, jobs=a.jobs, job_dirs=[d for d, _ in procs])
+    return rows, meta
+
+
+def seed_summary(meta, log):
+    runs = {r["arm"]: r for r in meta["runs"].values()}
+    gaps = {ARMS[x][0]: gap(r, runs.get("A")) for x, r in runs.items() if x != "A"}
+    meta["gaps_vs_bf16"] = gaps
+    lines = [f"seed {meta['seed']}: final val loss (whole held-out split), {meta['steps']} steps",
+             "| arm | run | val loss | vs A | ms/step | fp8_wire | experts input | TE FP8 |", "| --- |" + " --- |" * 7]
+    for x, r in sorted(runs.items(), key=lambda kv: list(ARMS).index(kv[0])):
+        te = r.get("te_fp8") or {}
+        lines.append(f"| {x} | {r['name']} | {r['final_val_loss']:.5f} | {pct(gaps.get(r['name']))} | "
+                     f"{r['ms_per_step']:.1f} | {r['fp8_wire']} | {','.join(r['experts_input'])} | "
+                     f"{te.get('recipe') if te.get('enabled') else 'off'} |")
+    if meta.get("skipped"):
+        lines.append(f"skipped (time budget): {','.join(meta['skipped'])}: run them with --arms "
+                     f"{','.join(meta['skipped'])} --seed {meta['seed']} --steps {meta['steps']} and merge")
+    ms = sum(r["ms_per_step"] for r in runs.values()) / max(1, len(runs))
+    lines.append(f"mean {ms:.1f} ms/step: {len(ARMS)} arms x {MIN_STEPS} steps ~ {len(ARMS) * MIN_STEPS * ms / 6e4:.1f} "
+                 f"min of training, one process (an estimate from these runs, evaluations not counted)")
+    text = "\n".join(lines)
+    log(text)
+    return text
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--seed", type=int, default=1, help="initialization and data order")
+    p.add_argument("--steps", type=int, default=MIN_STEPS)
+    p.add_argument("--out", default="out/seed1")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds for this command (0: none): arms whose calibrated time does not fit are skipped")
+    p.add_argument("--jobs", type=int, default=1, help="train the arms in this many processes at once")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke)")
+    p.add_argument("--local-spec", action="store_true", help="Megatron's local spec on the GPU too (no TE)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="BF16 weights (FP32 masters in AdamW) and activations (default: on for cuda, off for cpu)")
+    p.add_argument("--fp8-recipe", default="blockwise", help="TE recipe on the GPU (Megatron's fp8_recipe; none: off)")
+    for k, t in (("layers", int), ("hidden", int), ("heads", int), ("experts", int), ("topk", int), ("moe-ffn", int),
+                 ("shared-expert", int), ("seq", int), ("batch", int), ("lr", float), ("warmup", int),
+                 ("log-every", int), ("val-seqs", int), ("val-full-max", int)):
+        p.add_argument("--" + k, type=t, default=None)
+    p.add_argument("--corpus-bytes", type=int, default=0, help="read at most this many corpus bytes (0: all)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="train nothing: merge per-seed dirs into --out")
+    a = p.parse_args(argv)
+    log = (lambda *s: None) if a.quiet else (lambda *s: print(*s, flush=True))
+    if a.merge:
+        return merge(a.merge, a.out, a.no_plot, log)
+
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    unknown = [x for x in arms if x not in ARMS]
+    if unknown:
+        p.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
+    arms = sorted(set(arms), key=list(ARMS).index)  # A first: every gap needs it
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available (use --device cpu --tiny)")
+    os.makedirs(a.out, exist_ok=True)
+    t_start = time.perf_counter()
+    if a.jobs > 1 and len(arms) > 1:
+        rows, meta = run_jobs(a, arms, argv, log)
+    else:
+        rows, meta = train_seed(a, arms, t_start, log)
+    meta["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+    text = seed_summary(meta, log)
+    write_csv(rows, os.path.join(a.out, "convergence.csv"))
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    with open(os.path.join(a.out, "summary.txt"), "w") as f:
+        f.write(text + "\n")
+    log(f"wrote {a.out}/convergence.csv, summary.json, summary.txt in {meta['total_wall_s']:.0f} s")
+    return meta
+
+
+def train_seed(a, arms, t_start, log):
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|moe_ffn_hidden_size).*")
+    from megatron.core import __version__ as mcore_version
+    from fp8a2a.megatron.testing import world_of_one
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    cfg = model_config(a)
+    fm.register()
+    teardown = world_of_one(a.seed)
+    train_t, val_t, corpus = load_corpus(a.corpus_bytes or None)
+    ns = lambda order: types.SimpleNamespace(data_seed=1000003 * a.seed + order, seq=cfg.seq, batch=cfg.batch,  # noqa: E731
+                                             val_seqs=cfg.val_seqs, val_full_max=cfg.val_full_max)
+    data = {o: Batches(train_t, val_t, ns(o), max(a.steps, 16), device) for o in sorted({ARMS[x][4] for x in arms} | {1})}
+    te = sys.modules.get("transformer_engine")
+    versions = dict(torch=torch.__version__, megatron_core=mcore_version, fp8a2a=fp8a2a.__version__,
+                    transformer_engine=getattr(te, "__version__", None) if te else None)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    log(f"{dev_name}; {versions}; corpus {corpus['train_bytes'] / 1e6:.1f} MB train / "
+        f"{corpus['val_bytes'] / 1e6:.1f} MB val")
+    log(f"GPTModel ({'TE' if cfg.te else 'local'} spec, FP8 recipe {cfg.fp8_recipe}): {cfg.layers} layers, d {cfg.hidden}, "
+        f"{cfg.experts} experts top-{cfg.topk}, expert ffn {cfg.moe_ffn}, shared {cfg.shared_expert}, seq {cfg.seq} x "
+        f"batch {cfg.batch}; seed {a.seed}; arms {','.join(arms)}; {a.steps} steps")
+    init = reference_weights(cfg, a.seed, device)
+    log(f"{sum(v.numel() for v in init.values()) / 1e6:.2f} M parameters")
+
+    todo, skipped, calib = arms, [], None
+    deadline = t_start + a.time_budget if a.time_budget > 0 else None
+    if deadline:
+        calib = calibrate(arms, cfg, init, data, device, a.steps)
+        left = deadline - time.perf_counter()
+        evals = a.steps // cfg.log_every + 1
+        cost = {x: 1.05 * (c["step"] * a.steps + c["val"] * evals + c["fixed"]) for x, c in calib.items()}
+        log("calibration: " + ", ".join(f"{x} {1e3 * c['step']:.1f} ms/step ({cost[x]:.0f} s)" for x, c in calib.items())
+            + f"; {left:.0f} s left")
+        todo, used = [], 0.0
+        for x in arms:
+            if used + cost[x] <= left:
+                todo.append(x)
+                used += cost[x]
+            else:
+                skipped.append(x)
+        if skipped:
+            log(f"NOTE: not enough time for arms {','.join(skipped)}: skipped (run them in another command)")
+    rows, runs = [], {}
+    for x in todo:
+        run = run_name(x, a.seed)
+        runs[run] = train(x, cfg, init, data[ARMS[x][4]], device, a.steps, rows, run, deadline, log)
+    teardown()
+    return rows, dict(seed=a.seed, steps=a.steps, device=dev_name, versions=versions, config=vars(cfg),
+                      corpus=corpus, arms_requested=arms, skipped=skipped, runs=runs, time_budget_s=a.time_budget,
+                      calibration={x: {k: round(v, 4) for k, v in c.items()} for x, c in calib.items()} if calib else None)
+
+
+if __name__ == "__main__":
+    main()
