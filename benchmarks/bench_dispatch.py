@@ -83,8 +83,14 @@ class Variant:
         self.name, self.label, self.fn, self.unavailable, self.graph = name, name, None, None, False
         self.device_ms, self.host_ms, self.costs, self.peak_mib = [], [], None, None
 
-    def build(self, make):
-        """make() -> (fn, label), then one trial call; any failure makes the row unavailable with its reason."""
+    def build(self, make, wanted=None):
+        """make() -> (fn, label), then one trial call; any failure makes the row unavailable with its
+        reason. A variant not in `wanted` (None: all) is not built."""
+        if wanted is not None and self.name not in wanted:
+            self.unavailable = "not selected (--variants)"
+            return
+        # a CUDA fault cannot be caught: the last line printed names the variant that caused it
+        print(f"bench_dispatch: building {self.name}", file=sys.stderr, flush=True)
         try:
             self.fn, self.label = make()
             self.fn()
@@ -170,7 +176,7 @@ def graph_of(step, cuda):
     return graph.replay
 
 
-def build_point(p, cuda, megatron):
+def build_point(p, cuda, megatron, wanted=None):
     dev = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     t, h, e, k = p["tokens"], p["hidden"], p["experts"], p["topk"]
@@ -190,15 +196,15 @@ def build_point(p, cuda, megatron):
     pad_fused = not isinstance(megatron, str) and megatron.te is not None
     # fp8a2a first, Megatron's graph capture last: should a failed capture upset the device, the
     # other rows of this point are built already
-    v["fp8a2a"].build(lambda: (fp8a2a_step(x, idx, w, e), "fp8a2a (FP8 rows, dropless)"))
+    v["fp8a2a"].build(lambda: (fp8a2a_step(x, idx, w, e), "fp8a2a (FP8 rows, dropless)"), wanted)
     v["fp8a2a_cap"].build(lambda: (fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
-                                   "fp8a2a capacity mode cf 1.0"))
+                                   "fp8a2a capacity mode cf 1.0"), wanted)
     v["fp8a2a_cap_graph"].build(lambda: (graph_of(fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
-                                                  cuda), "fp8a2a capacity mode cf 1.0, CUDA graph"))
-    v["megatron_fused"].build(lambda: meg(True, False))
-    v["megatron"].build(lambda: meg(False, False))
-    v["megatron_pad"].build(lambda: meg(pad_fused, True))
-    v["megatron_pad_graph"].build(lambda: meg(pad_fused, True, graph=True))
+                                                  cuda), "fp8a2a capacity mode cf 1.0, CUDA graph"), wanted)
+    v["megatron_fused"].build(lambda: meg(True, False), wanted)
+    v["megatron"].build(lambda: meg(False, False), wanted)
+    v["megatron_pad"].build(lambda: meg(pad_fused, True), wanted)
+    v["megatron_pad_graph"].build(lambda: meg(pad_fused, True, graph=True), wanted)
     for name in ("megatron_pad_graph", "fp8a2a_cap_graph"):
         v[name].graph = True
     res = {key: p[key] for key in ("name", "tokens", "hidden", "experts", "topk", "ws1", "emulates")}
@@ -314,6 +320,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant per run")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--points", help="comma-separated point names (default: all)")
+    ap.add_argument("--variants", help=f"comma-separated variants to build (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--cpu", action="store_true", help="functional run on the CPU: tiny shapes, numbers meaningless")
     args = ap.parse_args()
     cuda = not args.cpu
@@ -333,7 +340,8 @@ def main():
     except Exception as e:  # noqa: BLE001
         megatron = f"megatron-core not usable ({_reason(e)})"
     t0 = time.time()
-    built = [build_point(p, cuda, megatron) for p in points]
+    wanted = set(args.variants.split(",")) if args.variants else None
+    built = [build_point(p, cuda, megatron, wanted) for p in points]
     measure(built, args.repeat, args.iters, args.warmup, cuda)
     for _, variants in built:  # after the timing: a profiler that stays attached must not slow it
         characterize(variants, cuda)
