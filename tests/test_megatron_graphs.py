@@ -144,4 +144,4 @@ def test_padded_rows_capture_safe_form_matches(counts, m):
         acc += p - c
     rows = sum(counts)
     want = torch.arange(rows) + torch.repeat_interleave(torch.tensor(shift), torch.tensor(counts), output_size=rows)
-    assert torch.equal(padded_rows(counts, padded, shift, "cpu", rows), want)
+    assert torch.equal(padded_rows(counts, torch.tensor(counts), m, rows), want)

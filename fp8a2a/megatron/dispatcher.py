@@ -105,15 +105,16 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     return torch.where(valid, idx, torch.full_like(idx, -1)), weights
 
 
-def padded_rows(counts, padded, shift, device, rows):
-    """Where each of `rows` expert-major rows (counts[e] per expert) goes once every expert is
-    padded to padded[e] rows (shift[e]: padding rows before expert e). Equal counts (the capacity
-    mode) need device arithmetic only, so a CUDA graph can capture it (no host-to-device copy)."""
-    pos = torch.arange(rows, device=device)
-    if len(set(counts)) == 1 and len(set(padded)) == 1 and counts[0] > 0:
-        return pos + torch.div(pos, counts[0], rounding_mode="floor") * (padded[0] - counts[0])
-    return pos + torch.repeat_interleave(torch.tensor(shift, device=device), torch.tensor(counts, device=device),
-                                         output_size=rows)
+def padded_rows(counts, tokens_per_expert, multiple, rows):
+    """Where each of `rows` expert-major rows goes once every local expert's rows are rounded up to
+    `multiple` (zero rows after each expert's own). counts: the rows per expert on the host;
+    tokens_per_expert: the same on the device. Device arithmetic only: no host-to-device copy (each
+    would be a stream sync) and nothing a CUDA graph cannot capture."""
+    pos = torch.arange(rows, device=tokens_per_expert.device)
+    if len(set(counts)) == 1 and counts[0] > 0:  # equal counts (the capacity mode): one shape
+        return pos + torch.div(pos, counts[0], rounding_mode="floor") * (-(-counts[0] // multiple) * multiple - counts[0])
+    gap = (tokens_per_expert + multiple - 1) // multiple * multiple - tokens_per_expert
+    return pos + torch.repeat_interleave(torch.cumsum(gap, 0) - gap, tokens_per_expert, output_size=rows)
 
 
 def _graph_modules(config):
@@ -274,11 +275,11 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             return tokens, out.tokens_per_expert, probs
         counts = out.handle.tokens_per_expert_list
         if self.pad_multiple > 1:
-            tokens, probs, counts = self._pad_for_quantization(tokens, probs, counts)
+            tokens, probs, counts = self._pad_for_quantization(tokens, probs, counts, out.tokens_per_expert)
         # Megatron's experts call tokens_per_expert.tolist(): a host tensor costs no sync
         return tokens, torch.tensor(counts, dtype=torch.int64), probs
 
-    def _pad_for_quantization(self, tokens, probs, counts):
+    def _pad_for_quantization(self, tokens, probs, counts, tokens_per_expert):
         """Rows and weights with every local expert's rows rounded up to pad_multiple (zero rows,
         weight 0, after the expert's own); remembers where the real rows went (combine_preprocess)."""
         m = self.pad_multiple
@@ -286,12 +287,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._pad_rows = None
         if padded == counts:
             return tokens, probs, counts
-        shift, acc = [], 0  # rows of padding before each expert's rows
-        for c, p in zip(counts, padded):
-            shift.append(acc)
-            acc += p - c
-        dev, rows = tokens.device, tokens.shape[0]
-        dest = padded_rows(counts, padded, shift, dev, rows)
+        dest = padded_rows(counts, tokens_per_expert, m, tokens.shape[0])
         total = sum(padded)
         tokens = tokens.new_zeros((total, tokens.shape[1])).index_copy(0, dest, tokens)
         probs = probs.new_zeros((total,) + tuple(probs.shape[1:])).index_copy(0, dest, probs)
