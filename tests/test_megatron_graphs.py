@@ -20,6 +20,20 @@ import fp8a2a.megatron as fm
 from fp8a2a.megatron.dispatcher import _graph_modules, check_cuda_graphs, padded_rows
 
 
+@pytest.mark.parametrize("impl,modules,refused", [
+    ("none", [], False), ("local", ["moe_router", "moe_preprocess"], False), ("local", ["attn"], False),
+    ("local", [], True), ("local", ["moe"], True)])
+def test_fp8_experts_refuse_capture(impl, modules, refused):
+    """FP8 experts' weights are cached outside a graph: a scope that captures the experts must be refused
+    (a replay would keep the capture step's FP8 weights after optimizer steps)."""
+    from fp8a2a.megatron.experts import check_cuda_graphs as check_experts
+    if refused:
+        with pytest.raises(ValueError, match="cuda_graph_modules"):
+            check_experts(Cfg(impl, modules))
+    else:
+        check_experts(Cfg(impl, modules))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def registered():
     fm.register()

@@ -33,6 +33,8 @@ refuses the rest when the dispatcher is built, naming the option):
   * local, whole layer ([]) or moe: works in the capacity mode (drop-and-pad, or
     --fp8a2a-capacity-mode static): static shapes, no host sync; refused otherwise (one host sync);
   * local, attn: the MoE part runs eagerly: works;
+  * whole layer or moe with fp8_experts_spec experts: refused by experts.check_cuda_graphs (their
+    FP8 weights are cached outside the graph; a replay would keep the captured step's weights);
   * transformer_engine, full_iteration: refused (not yet checked against alltoall);
   * moe_preprocess with a capacity factor without drop-and-pad: refused by Megatron's own
     validation (fp8_alltoall validates as alltoall), though fp8_alltoall's preprocess has no sync.

@@ -41,6 +41,19 @@ def _activation_name(config) -> str:
                      f"activation_func={act}, gated_linear_unit={gated}")
 
 
+def check_cuda_graphs(config):
+    """Refuses a CUDA-graph scope that captures the FP8 experts: their FP8 weights are cached outside
+    the graph and checked for staleness in Python, which a replay skips, so the captured GEMMs would
+    read the capture step's weights after every optimizer step."""
+    from .dispatcher import _graph_modules
+    modules = _graph_modules(config)
+    if (getattr(config, "cuda_graph_impl", "none") or "none") != "none" and (not modules or "moe" in modules):
+        raise ValueError("fp8a2a: FP8 experts (fp8_experts_spec) cannot be captured in a CUDA graph: "
+                         "cuda_graph_modules=[] (the whole layer) or 'moe' would replay the FP8 weights of "
+                         "the captured step after every optimizer step; capture moe_router / moe_preprocess "
+                         "only, or use Megatron's experts")
+
+
 class _FP8ExpertsMixin:
     """forward(tokens, tokens_per_expert, probs) -> (y [N, H], None) through FP8GroupedMLP."""
 
@@ -54,13 +67,14 @@ class _FP8ExpertsMixin:
             raise ValueError("fp8a2a: FP8 experts do not support add_bias_linear")
         if getattr(config, "moe_apply_probs_on_input", False):
             raise ValueError("fp8a2a: FP8 experts do not support moe_apply_probs_on_input")
+        check_cuda_graphs(config)
         act = _activation_name(config)
         want = (2 if act == "swiglu" else 1) * ffn
         if fc1_out != want:
             raise ValueError(f"fp8a2a: fc1 has {fc1_out} outputs, expected {want} for {act}")
         # Compute only: its own parameters live on the meta device and are replaced per call by
-        # the stacked Megatron weights (torch.func.functional_call). Kept out of the module tree,
-        # so parameters, state_dict and checkpoints are exactly Megatron's.
+        # expert_weights stand-ins of Megatron's weights (torch.func.functional_call). Kept out of
+        # the module tree, so parameters, state_dict and checkpoints are exactly Megatron's.
         opts = resolve(config)
         self.__dict__["_fp8a2a_impl"] = FP8GroupedMLP(self.num_local_experts, hidden, ffn, act, device="meta",
                                                       fp8_dgrad=opts.fp8_dgrad, fp8_wgrad=opts.fp8_wgrad)
