@@ -1,6 +1,7 @@
 """What one call costs: host syncs, launches and copies counted from torch.profiler events, and
-its time (device time of calls launched back to back, host time per call). benchmarks/ and the
-all-to-all sweep use these, so both sides of every comparison are counted the same way.
+its time (device time of calls launched back to back, host time per call). The all-to-all sweep
+and benchmarks/bench_dispatch.py use these, so both sides of their comparisons are counted the
+same way (the layer benchmarks time whole steps with their own CUDA-event loops).
 
 Counting (count(): pure, tested on synthetic events). One call is profiled after warm-up; the
 profile ends with a torch.cuda.synchronize() inside a record_function(MARKER) range, and only host
