@@ -19,6 +19,8 @@ with warnings.catch_warnings():
 import fp8a2a.megatron as fm
 from fp8a2a.megatron.dispatcher import _graph_modules, check_cuda_graphs, padded_rows
 
+from .distributed import run_ranks
+
 
 @pytest.mark.parametrize("impl,modules,refused", [
     ("none", [], False), ("local", ["moe_router", "moe_preprocess"], False), ("local", ["attn"], False),
@@ -85,14 +87,11 @@ def test_graph_modules_of_either_megatron():
     assert _graph_modules(cfg) == []
 
 
-def test_refused_when_the_dispatcher_is_built():
-    """Through a real MoELayer: whole-layer capture of a dropless fp8_alltoall is refused, naming the
-    option; the same config with drop-and-pad builds."""
-    from tests.test_megatron import moe_spec, build
-    from fp8a2a.megatron.testing import cpu_current_device
+def _refused_when_built(rank, world):
     from megatron.core import parallel_state as ps
-    from tests.distributed import run_ranks  # noqa: F401  (same process-group setup as test_megatron)
-    import torch.distributed as dist
+
+    from fp8a2a.megatron.testing import cpu_current_device
+    from tests.test_megatron import build, moe_spec
     cpu_current_device()
     cfg = config()
     cfg.cuda_graph_impl = "local"  # set after validation: 0.16.1's own checks want TE / CUDA here
@@ -100,21 +99,21 @@ def test_refused_when_the_dispatcher_is_built():
         cfg.cuda_graph_modules = []
     else:
         cfg.cuda_graph_scope = []
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(create_gloo_process_groups=False)
     try:
-        ps.initialize_model_parallel(create_gloo_process_groups=False)
         with pytest.raises(ValueError, match="cuda_graph_modules.*capacity"):
             build(moe_spec(4), cfg)
         cfg.moe_expert_capacity_factor, cfg.moe_pad_expert_input_to_capacity = 1.0, True
-        layer = build(moe_spec(4), cfg)
-        assert layer.token_dispatcher.capacity_factor == 1.0
+        return build(moe_spec(4), cfg).token_dispatcher.capacity_factor
     finally:
         ps.destroy_model_parallel()
-        dist.destroy_process_group()
+
+
+def test_refused_when_the_dispatcher_is_built():
+    """Through a real MoELayer: whole-layer capture of a dropless fp8_alltoall is refused, naming the
+    option; the same config with drop-and-pad builds. In a forked rank: a process group (and its
+    threads) in the pytest process itself would be inherited by every later fork."""
+    assert run_ranks(1, _refused_when_built) == [1.0]
 
 
 def _should_free_input():
