@@ -40,6 +40,7 @@ import fp8a2a  # noqa: E402
 from fp8a2a import ops  # noqa: E402
 from fp8a2a.bench import costs  # noqa: E402
 from fp8a2a.timing import capture_cuda_graph  # noqa: E402
+from fp8a2a.wire import CountsCol, Granularity  # noqa: E402
 
 EMULATION = (
     "EP=n rows emulate one rank of an EP=n run at world size 1, its expert side: with balanced routing "
@@ -218,7 +219,7 @@ def wire_bytes_8ranks(idx, h, e, k, ranks=8):
     counts (as fp8a2a.bench counts them), Megatron's copy per (token, expert) + prob + counts all-gather."""
     dest = torch.zeros(idx.shape[0], ranks, dtype=torch.bool, device=idx.device)
     dest.scatter_(1, idx // (e // ranks), True)
-    fp8 = int(dest.sum()) * ops.dispatch_row_bytes(h, 0, k) + ranks * (ops.COUNTS_HEADER + e // ranks) * 8
+    fp8 = int(dest.sum()) * ops.dispatch_row_bytes(h, Granularity.ROW, k) + ranks * (CountsCol.EXPERTS + e // ranks) * 8
     mega = idx.shape[0] * k * (2 * h + 4) + e * 8 * ranks
     return {"fp8_wire_bytes_8ranks": fp8, "bf16_megatron_wire_bytes_8ranks": mega, "wire_ratio_8ranks": fp8 / mega}
 
