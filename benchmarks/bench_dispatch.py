@@ -323,7 +323,15 @@ def main():
     ap.add_argument("--points", help="comma-separated point names (default: all)")
     ap.add_argument("--variants", help=f"comma-separated variants to build (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--cpu", action="store_true", help="functional run on the CPU: tiny shapes, numbers meaningless")
+    ap.add_argument("--list", action="store_true", help="print the point names and exit")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="measure nothing: one report (and --json) from runs of other points (one process each, so "
+                         "that a device fault costs one point)")
     args = ap.parse_args()
+    if args.list:
+        return print(" ".join(p["name"] for p in POINTS))
+    if args.merge:
+        return write_report(merge_runs(args.merge), args.json)
     cuda = not args.cpu
     if cuda and not torch.cuda.is_available():
         sys.exit("bench_dispatch: needs a CUDA GPU (or --cpu for a functional run)")
@@ -356,11 +364,24 @@ def main():
            "points": [dict(res, variants={n: v.record() for n, v in variants.items()},
                            ratios=ratios(variants, args.repeat)) for res, variants in built],
            "seconds": round(time.time() - t0, 1), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_report(doc, args.json)
+
+
+def merge_runs(paths):
+    docs = []
+    for path in paths:
+        with open(path) as fh:
+            docs.append(json.load(fh))
+    return dict(docs[0], points=[p for d in docs for p in d["points"]], seconds=sum(d["seconds"] for d in docs),
+                merged=list(paths))
+
+
+def write_report(doc, path):
     print(format_report(doc))
-    if args.json:
-        with open(args.json, "w") as fh:
+    if path:
+        with open(path, "w") as fh:
             json.dump(doc, fh, indent=1)
-        print(f"wrote {args.json}")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

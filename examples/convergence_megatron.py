@@ -285,6 +285,8 @@ class Arm:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
         invalidate_fp8_weight_cache()  # the FP8 experts' cached weights (the copy above bumps versions too)
+        if hasattr(self.model, "set_is_first_microbatch"):  # TE recasts its FP8 weights (Megatron's train_step)
+            self.model.set_is_first_microbatch()
         return loss.detach()
 
     @torch.no_grad()

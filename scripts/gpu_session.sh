@@ -12,6 +12,7 @@
 #                                          several GPUs they run on the last GPU beside the other modes)
 #   modes combine: bash scripts/gpu_session.sh tests,kernels
 # One device call may take 600 s (BUDGET_S caps this script, default 570).
+# EXTRA="commands" runs them last, in the same environment (LOGS=the packed folder).
 # SKIP="name ..." leaves those steps out; LAYER_ARGS / DISPATCH_ARGS pass extra flags (e.g. fewer shapes). Logs, JSON, CSV and plots are packed into one file, $OUT/gpu_results.tgz (the
 # device tool brings back at most 8 files), default OUT=./gpu_out.
 # A machine without internet takes megatron-core (the 0.19.2 cp312 wheel) from .whl/ and TransformerEngine from the
@@ -22,6 +23,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 LOGS=$(mktemp -d)/gpu_results
 mkdir -p "$OUT" "$LOGS"
+export LOGS
 trap 'tar czf "$OUT/gpu_results.tgz" -C "$(dirname "$LOGS")" gpu_results' EXIT
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -79,7 +81,7 @@ fi
 REPEAT=${REPEAT:-1}
 if [[ $mode == *,tests,* ]]; then
   # tests/gpu: the CUDA ops against the CPU twins byte for byte, dispatch at world size 1, Megatron + TE
-  step pytest_gpu 300 python3 -m pytest -q -rs tests/gpu -m gpu
+  step pytest_gpu 300 python3 -m pytest -q -rs ${PYTEST_GPU:-tests/gpu} -m gpu  # PYTEST_GPU: a subset
   # the CUDA cases of the CPU test files
   step pytest_cuda_cases 240 python3 -m pytest -q tests/test_ops.py tests/test_experts.py tests/test_dispatch.py \
     -k "cuda or gpu or CUDA or single_process"
@@ -93,7 +95,15 @@ fi
 has() { [[ $mode == *,$1,* || $mode == *,bench,* ]]; }  # a mode given, or `bench` (every benchmark)
 has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
   --json "$LOGS/megatron_layer.json" ${LAYER_ARGS:-}
-has dispatch && step bench_dispatch 240 python3 benchmarks/bench_dispatch.py --repeat "$REPEAT" --json "$LOGS/dispatch.json" ${DISPATCH_ARGS:-}
+if has dispatch; then  # one process per point: a device fault costs one point, not the table
+  parts=()
+  for point in $(python3 benchmarks/bench_dispatch.py --list); do
+    step "bench_dispatch_$point" 120 python3 benchmarks/bench_dispatch.py --points "$point" --repeat "$REPEAT" \
+      --json "$LOGS/dispatch_$point.json" ${DISPATCH_ARGS:-} && parts+=("$LOGS/dispatch_$point.json")
+  done
+  (( ${#parts[@]} )) && step bench_dispatch 30 python3 benchmarks/bench_dispatch.py --merge "${parts[@]}" \
+    --json "$LOGS/dispatch.json"
+fi
 has small && step bench_small_model 150 python3 benchmarks/bench_small_model.py --json "$LOGS/small_model.json"
 if has model; then
   # this session's measurements where they exist (the scale model says which inputs it measured)
@@ -109,5 +119,7 @@ if [[ $mode == *,bench,* ]]; then
   done
   step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
 fi
+# EXTRA="cmd; cmd": one-off commands in this environment (TE, megatron-core, the build), logged as step `extra`
+[[ -n ${EXTRA:-} ]] && step extra "${EXTRA_S:-300}" bash -c "$EXTRA"
 [[ -n $conv_pid ]] && { wait "$conv_pid" || FAILED+=" convergence"; }
 [[ -z $FAILED ]] || { echo "=== failed:$FAILED"; exit 1; }

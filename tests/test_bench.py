@@ -416,6 +416,23 @@ def test_bench_dispatch_functional_feeds_the_model(tmp_path):
         in run.stdout
 
 
+def test_bench_dispatch_merges_points_run_apart(tmp_path):
+    """One process per point (scripts/gpu_session.sh), then --merge: one document, points in order."""
+    assert _benchmark("bench_dispatch", "--list").split() == ["ws1-4096", "ws1-128", "deepseek-v3@EP8",
+                                                             "deepseek-v3@EP32", "qwen3-235b@EP8", "mixtral-8x7b@EP8"]
+    parts = []
+    for point in ("ws1-128", "mixtral-8x7b@EP8"):
+        parts.append(tmp_path / f"{point}.json")
+        _benchmark("bench_dispatch", "--cpu", "--points", point, "--repeat", "1", "--iters", "1", "--warmup", "0",
+                   "--variants", "fp8a2a", "--json", parts[-1])
+    text = _benchmark("bench_dispatch", "--merge", *parts, "--json", tmp_path / "all.json")
+    doc = json.loads((tmp_path / "all.json").read_text())
+    assert [p["name"] for p in doc["points"]] == ["ws1-128", "mixtral-8x7b@EP8"]
+    assert doc["merged"] == [str(p) for p in parts] and "== mixtral-8x7b@EP8" in text
+    for part, point in zip(parts, doc["points"]):
+        assert point == json.loads(part.read_text())["points"][0]
+
+
 # ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------
 
 def test_bench_kernels_functional(tmp_path):

@@ -359,6 +359,27 @@ def test_static_capacity_mode_needs_a_capacity_factor():
     assert msg.startswith("ValueError") and "capacity-factor" in msg
 
 
+def test_default_granularity_follows_the_recipe():
+    """No granularity given: the recipe's own under Megatron's experts, row for the FP8 experts or
+    without a recipe; any given granularity wins."""
+    from fp8a2a.megatron.options import default_granularity
+
+    def cfg(recipe, fp8="e4m3", hidden=512, **kw):
+        return argparse.Namespace(fp8=fp8, fp8_recipe=recipe, hidden_size=hidden, **kw)
+    want = {"blockwise": "block128", "tensorwise": "tensor", "delayed": "tensor", "mxfp8": "row"}
+    for recipe, g in want.items():
+        assert default_granularity(cfg(recipe), fp8_experts=False) == g
+        assert default_granularity(cfg(recipe), fp8_experts=True) == "row"
+    assert default_granularity(cfg("blockwise", fp8=None), fp8_experts=False) == "row"  # Megatron's default recipe
+    assert default_granularity(cfg("blockwise", hidden=200), fp8_experts=False) == "row"  # no 128-value blocks
+    assert default_granularity(cfg("blockwise", fp8a2a_granularity="row"), fp8_experts=False) is None
+    try:
+        fm.register(granularity="row")
+        assert default_granularity(cfg("tensorwise"), fp8_experts=False) is None
+    finally:
+        fm.options.reset_defaults()
+
+
 def test_options_precedence():
     try:
         fm.register(granularity="block128", bf16_below_bytes=0)

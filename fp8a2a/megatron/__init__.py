@@ -176,7 +176,7 @@ def _patch_moe_layer():
                 self._training_token_dispatcher = self.token_dispatcher
             if self.shared_experts is not None and getattr(self, "shared_expert_overlap", False):
                 self.token_dispatcher.set_shared_experts(self.shared_experts)
-        self.token_dispatcher.deliver_fp8 = bool(getattr(self.experts, "fp8a2a_accepts_quantized", False))
+        self.token_dispatcher.set_experts(self.experts)
 
     _patch(ml.MoELayer, "__init__", __init__)
 

@@ -47,6 +47,7 @@ gradients are those without padding (the padding rows add 0 to both, and being z
 move TE's current-scaling amax as Megatron's padding tokens can). The FP8 experts
 (fp8_experts_spec) need no alignment and get none.
 """
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -56,7 +57,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..dispatcher import Dispatcher
 from ..quant import QuantizedTensor, dequantize
-from .options import resolve
+from .options import default_granularity, resolve
 
 
 class _Carrier(torch.autograd.Function):
@@ -158,9 +159,10 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
     """--moe-token-dispatcher-type fp8_alltoall (see the module docstring).
 
     Options (granularity, capacity mode, FP8 combine, FP8 dispatch backward, BF16 threshold) come
-    from fp8a2a.megatron.options.resolve(config). `deliver_fp8` is set by the MoELayer hook of
-    fp8a2a.megatron.register() when the experts consume QuantizedTensor rows (the FP8 experts of
-    fp8a2a.megatron.fp8_experts_spec); Megatron's own experts get dequantized rows."""
+    from fp8a2a.megatron.options.resolve(config). The MoELayer hook of fp8a2a.megatron.register()
+    calls set_experts: experts that consume QuantizedTensor rows (the FP8 experts of
+    fp8a2a.megatron.fp8_experts_spec) get them (`deliver_fp8`), Megatron's own experts get
+    dequantized rows; a run that gives no granularity gets options.default_granularity's."""
 
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None):
         if pg_collection is None:
@@ -178,6 +180,10 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
                              f"{self.local_expert_indices}")
 
         self.options = resolve(config)
+        granularity = default_granularity(config, fp8_experts=False)  # set_experts revisits it
+        if granularity is not None:
+            self.options = replace(self.options, granularity=granularity)
+        self._megatron_config = config
         factor = getattr(config, "moe_expert_capacity_factor", None)
         pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         mode = self.options.capacity_mode
@@ -204,9 +210,8 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             if got != want or mcore_utils.get_pg_size(self.tp_ep_group) != tp * self.ep_size:
                 raise ValueError(f"fp8a2a: unexpected TP x EP group layout (rank {got}, expected ep_rank * tp_size "
                                  f"+ tp_rank = {want})")
-        config = self.options.dispatcher_config(bf16_below_bytes=int(self.options.bf16_below_bytes),
-                                                expert_tp_size=tp, capacity_factor=self.capacity_factor)
-        self.dispatcher = Dispatcher(self.num_experts, group=group, config=config)
+        self._group = group
+        self.dispatcher = self._make_dispatcher()
         self.deliver_fp8 = False
         self.shared_experts = None
 
@@ -219,6 +224,20 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._handle = None
         self._pad_rows = None  # destination rows of the received rows in the padded layout
         self.cudagraph_attrs = ["_x", "_topk_idx"]
+
+    def _make_dispatcher(self):
+        config = self.options.dispatcher_config(bf16_below_bytes=int(self.options.bf16_below_bytes),
+                                                expert_tp_size=self.tp_size, capacity_factor=self.capacity_factor)
+        return Dispatcher(self.num_experts, group=self._group, config=config)
+
+    def set_experts(self, experts):
+        """Called once the MoELayer has built its experts: FP8 rows go to experts that take them
+        (fp8a2a_accepts_quantized), and a run that gave no granularity gets the experts' default."""
+        self.deliver_fp8 = bool(getattr(experts, "fp8a2a_accepts_quantized", False))
+        granularity = default_granularity(self._megatron_config, fp8_experts=self.deliver_fp8)
+        if granularity is not None and granularity != self.options.granularity:
+            self.options = replace(self.options, granularity=granularity)
+            self.dispatcher = self._make_dispatcher()
 
     # ---- helpers -------------------------------------------------------------------------------
 

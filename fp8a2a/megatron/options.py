@@ -55,6 +55,13 @@ class Options(DispatcherConfig):
 NAMES = ("granularity", "capacity_mode", "fp8_combine", "fp8_dispatch_backward", "bf16_below_bytes", "fp8_dgrad",
          "fp8_wgrad")
 _registered = Options()
+_registered_names = set()  # the options register() set (a default counts as given once set)
+
+# The wire granularity under a TE FP8 recipe when the run gives none and Megatron's experts run
+# the GEMMs: the granularity of that recipe's own quantizer (TE's Float8BlockwiseQTensor has
+# 128-value blocks; current and delayed scaling have one scale per tensor). fp8a2a's FP8 experts
+# take row scales. Other recipes (mxfp8, nvfp4) keep row.
+RECIPE_GRANULARITY = {"blockwise": "block128", "tensorwise": "tensor", "delayed": "tensor"}
 
 
 def set_defaults(**kwargs) -> Options:
@@ -64,12 +71,14 @@ def set_defaults(**kwargs) -> Options:
     if unknown:
         raise TypeError(f"fp8a2a: unknown option(s) {sorted(unknown)}; known: {list(NAMES)}")
     _registered = replace(_registered, **kwargs)
+    _registered_names.update(kwargs)
     return _registered
 
 
 def reset_defaults():
     global _registered
     _registered = Options()
+    _registered_names.clear()
 
 
 def _training_args():
@@ -77,14 +86,30 @@ def _training_args():
     return getattr(gv, "_GLOBAL_ARGS", None) if gv is not None else None
 
 
-def resolve(config=None) -> Options:
-    args = _training_args()
-    values = {}
+def _given(config):
+    """{name: value} of the options the config or the training flags set."""
+    args, values = _training_args(), {}
     for name in NAMES:
-        attr = "fp8a2a_" + name
         for source in (config, args):
-            value = getattr(source, attr, None) if source is not None else None
+            value = getattr(source, "fp8a2a_" + name, None) if source is not None else None
             if value is not None:
                 values[name] = value
                 break
-    return replace(_registered, **values)
+    return values
+
+
+def resolve(config=None) -> Options:
+    return replace(_registered, **_given(config))
+
+
+def default_granularity(config, fp8_experts: bool):
+    """The granularity a run that gave none gets (RECIPE_GRANULARITY), or None when it gave one."""
+    if "granularity" in _given(config) or "granularity" in _registered_names:
+        return None
+    if fp8_experts or not getattr(config, "fp8", None):
+        return "row"
+    recipe = getattr(config, "fp8_recipe", None)
+    granularity = RECIPE_GRANULARITY.get(str(getattr(recipe, "value", recipe)), "row")
+    if granularity == "block128" and getattr(config, "hidden_size", 0) % 128:
+        return "row"  # block128 needs hidden % 128 == 0
+    return granularity

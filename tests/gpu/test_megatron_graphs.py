@@ -90,7 +90,8 @@ def graphed_run(cfg, state=None):
             t += p.grad.float()
         grads[n] = t
     torch.cuda.synchronize()
-    result = ({k: v.clone() for k, v in layer.state_dict().items()},) + out + (grads,)
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}  # TE's _extra_state
+    result = (state,) + out + (grads,)
     delete_cuda_graphs()
     del layer
     return result
