@@ -10,8 +10,8 @@ Shapes: 4096 tokens x 8 experts, top-8 (DeepSeek-V3's per-rank load at EP=32) an
 FP8GroupedMLP on fp8a2a's Dispatcher (same weights), per fp8_dgrad / fp8_wgrad option, target
 within 1.15x. Rows (TEGroupedMLP experts unless named): alltoall TE BF16; alltoall TE FP8 blockwise
 (the baseline of the ratios); alltoall TE FP8 tensorwise (current scaling); fp8_alltoall + TE FP8
-blockwise with row and with the default (the recipe's granularity, block128), the same under
-tensorwise (row, default tensor); fp8_alltoall + fp8_experts_spec (default, fp8_dgrad, fp8_dgrad +
+blockwise with row and with the default (block128), under tensorwise with the default (row) and
+tensor; fp8_alltoall + fp8_experts_spec (default, fp8_dgrad, fp8_dgrad +
 fp8_wgrad). Timing: CUDA events around forward + backward, `--iters` iterations after warm-up, the
 variants of a shape interleaved (rotating order); `--repeat` times the shape's table again in the
 process: medians and min-max of the per-run medians, ratios per run against the baseline of that
@@ -49,8 +49,8 @@ VARIANTS = {
     "alltoall + TE FP8 tensorwise": ("alltoall", "te", "tensorwise", {}),
     "fp8_alltoall row + TE FP8 blockwise": ("fp8_alltoall", "te", "blockwise", {"granularity": "row"}),
     "fp8_alltoall default (block128) + TE FP8 blockwise": ("fp8_alltoall", "te", "blockwise", {}),
-    "fp8_alltoall row + TE FP8 tensorwise": ("fp8_alltoall", "te", "tensorwise", {"granularity": "row"}),
-    "fp8_alltoall default (tensor) + TE FP8 tensorwise": ("fp8_alltoall", "te", "tensorwise", {}),
+    "fp8_alltoall default (row) + TE FP8 tensorwise": ("fp8_alltoall", "te", "tensorwise", {}),
+    "fp8_alltoall tensor + TE FP8 tensorwise": ("fp8_alltoall", "te", "tensorwise", {"granularity": "tensor"}),
     **{f"fp8_alltoall + fp8_experts_spec{k}": ("fp8_alltoall", "fp8", None, v) for k, v in OPTIONS.items()},
 }
 CPU_VARIANTS = {"fp8_alltoall row + SequentialMLP": ("fp8_alltoall", "local", None, {}),

@@ -366,7 +366,7 @@ def test_default_granularity_follows_the_recipe():
 
     def cfg(recipe, fp8="e4m3", hidden=512, **kw):
         return argparse.Namespace(fp8=fp8, fp8_recipe=recipe, hidden_size=hidden, **kw)
-    want = {"blockwise": "block128", "tensorwise": "tensor", "delayed": "tensor", "mxfp8": "row"}
+    want = {"blockwise": "block128", "tensorwise": "row", "delayed": "row", "mxfp8": "row"}
     for recipe, g in want.items():
         assert default_granularity(cfg(recipe), fp8_experts=False) == g
         assert default_granularity(cfg(recipe), fp8_experts=True) == "row"
@@ -375,7 +375,7 @@ def test_default_granularity_follows_the_recipe():
     assert default_granularity(cfg("blockwise", fp8a2a_granularity="row"), fp8_experts=False) is None
     try:
         fm.register(granularity="row")
-        assert default_granularity(cfg("tensorwise"), fp8_experts=False) is None
+        assert default_granularity(cfg("blockwise"), fp8_experts=False) is None
     finally:
         fm.options.reset_defaults()
 

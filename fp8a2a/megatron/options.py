@@ -58,10 +58,12 @@ _registered = Options()
 _registered_names = set()  # the options register() set (a default counts as given once set)
 
 # The wire granularity under a TE FP8 recipe when the run gives none and Megatron's experts run
-# the GEMMs: the granularity of that recipe's own quantizer (TE's Float8BlockwiseQTensor has
-# 128-value blocks; current and delayed scaling have one scale per tensor). fp8a2a's FP8 experts
-# take row scales. Other recipes (mxfp8, nvfp4) keep row.
-RECIPE_GRANULARITY = {"blockwise": "block128", "tensorwise": "tensor", "delayed": "tensor"}
+# the GEMMs. TE's GroupedLinear takes no FP8 input (README), so the rows are dequantized and TE
+# quantizes them again whatever the wire carries: the blockwise recipe gets its own quantizer's
+# 128-value blocks (as fast as row); current and delayed scaling keep row, since tensor
+# granularity adds an amax all-reduce per dispatch and measured no faster (BENCHMARKS.md).
+# fp8a2a's FP8 experts take row scales; other recipes (mxfp8, nvfp4) keep row.
+RECIPE_GRANULARITY = {"blockwise": "block128"}
 
 
 def set_defaults(**kwargs) -> Options:

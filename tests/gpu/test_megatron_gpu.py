@@ -216,8 +216,8 @@ def test_te_fp8_recipe(recipe, fp8_experts):
     ref = build(moe_spec(True, True), ref_cfg)
     mine_cfg = make_config(fm.FP8_ALLTOALL, **te_fp8, **FP8)
     mine = build(fm.fp8_experts_spec(moe_spec(True, True)) if fp8_experts else moe_spec(True, True), mine_cfg)
-    # no granularity given: the recipe's own for TE's experts, row for the FP8 experts
-    want = "row" if fp8_experts else {"blockwise": "block128"}.get(recipe, "tensor")
+    # no granularity given: block128 under blockwise for TE's experts, else row (RECIPE_GRANULARITY)
+    want = "block128" if recipe == "blockwise" and not fp8_experts else "row"
     assert mine.token_dispatcher.dispatcher.granularity == want
     weights = dict(bf16.named_parameters())  # the same weights everywhere (TE's FP8 state stays each module's own)
     for m in (ref, mine):
