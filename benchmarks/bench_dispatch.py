@@ -56,9 +56,12 @@ EP_RUNS = [("deepseek-v3", 4096, 7168, 256, 8, 8), ("deepseek-v3", 4096, 7168, 2
            ("qwen3-235b", 4096, 4096, 128, 8, 8), ("mixtral-8x7b", 4096, 4096, 8, 2, 8)]
 VARIANTS = ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph", "fp8a2a_cap",
             "fp8a2a_cap_graph"]
+GRAPH_VARIANTS = ["megatron_pad_graph", "fp8a2a_cap_graph"]
+VARIANT_GROUPS = [[v for v in VARIANTS if v not in GRAPH_VARIANTS], GRAPH_VARIANTS]  # one process each
 RATIOS = [("fp8a2a", "megatron_fused"), ("fp8a2a", "megatron"), ("fp8a2a_cap", "megatron_pad"),
           ("fp8a2a_cap_graph", "megatron_pad_graph")]
 CAPACITY_FACTOR = 1.0
+NOT_SELECTED = "not selected (--variants)"
 
 
 def ep_point(model, tokens, hidden, experts, topk, ep):
@@ -88,7 +91,7 @@ class Variant:
         """make() -> (fn, label), then one trial call; any failure makes the row unavailable with its
         reason. A variant not in `wanted` (None: all) is not built."""
         if wanted is not None and self.name not in wanted:
-            self.unavailable = "not selected (--variants)"
+            self.unavailable = NOT_SELECTED
             return
         # a CUDA fault cannot be caught: the last line printed names the variant that caused it
         print(f"bench_dispatch: building {self.name}", file=sys.stderr, flush=True)
@@ -195,8 +198,9 @@ def build_point(p, cuda, megatron, wanted=None):
         return (graph_of(s, cuda), f"Megatron {megatron.version} ({how}), CUDA graph") if graph else \
             (s, f"Megatron {megatron.version} ({how})")
     pad_fused = not isinstance(megatron, str) and megatron.te is not None
-    # Megatron's drop-and-pad capture first: built after the other rows it faulted on the H200
-    # (an illegal memory access), alone it did not; each point runs in its own process
+    # scripts/gpu_session.sh builds the two graph rows in a process of their own (GRAPH_VARIANTS):
+    # Megatron's fused drop-and-pad captured and run eagerly in one process faulted on the H200
+    # (an illegal memory access at 4096 tokens, 32 and 256 experts, in either order)
     v["megatron_pad_graph"].build(lambda: meg(pad_fused, True, graph=True), wanted)
     v["fp8a2a"].build(lambda: (fp8a2a_step(x, idx, w, e), "fp8a2a (FP8 rows, dropless)"), wanted)
     v["fp8a2a_cap"].build(lambda: (fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
@@ -324,12 +328,16 @@ def main():
     ap.add_argument("--variants", help=f"comma-separated variants to build (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--cpu", action="store_true", help="functional run on the CPU: tiny shapes, numbers meaningless")
     ap.add_argument("--list", action="store_true", help="print the point names and exit")
+    ap.add_argument("--list-groups", action="store_true",
+                    help="print the variant groups that run in processes of their own (--variants values)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="measure nothing: one report (and --json) from runs of other points (one process each, so "
                          "that a device fault costs one point)")
     args = ap.parse_args()
     if args.list:
         return print(" ".join(p["name"] for p in POINTS))
+    if args.list_groups:
+        return print(" ".join(",".join(g) for g in VARIANT_GROUPS))
     if args.merge:
         return write_report(merge_runs(args.merge), args.json)
     cuda = not args.cpu
@@ -368,12 +376,18 @@ def main():
 
 
 def merge_runs(paths):
-    docs = []
+    """One document from runs of other points or other variants of a point (--variants): a point's
+    rows come from the run that built them, its ratios from the run that measured both sides."""
+    docs, points = [], {}
     for path in paths:
         with open(path) as fh:
             docs.append(json.load(fh))
-    return dict(docs[0], points=[p for d in docs for p in d["points"]], seconds=sum(d["seconds"] for d in docs),
-                merged=list(paths))
+    for p in (p for d in docs for p in d["points"]):
+        have = points.setdefault(p["name"], dict(p, variants={}, ratios={}))
+        have["variants"].update({n: v for n, v in p["variants"].items()
+                                 if n not in have["variants"] or not v.get("unavailable", "").startswith(NOT_SELECTED)})
+        have["ratios"].update(p["ratios"])
+    return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=list(paths))
 
 
 def write_report(doc, path):

@@ -95,11 +95,14 @@ fi
 has() { [[ $mode == *,$1,* || $mode == *,bench,* ]]; }  # a mode given, or `bench` (every benchmark)
 has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
   --json "$LOGS/megatron_layer.json" ${LAYER_ARGS:-}
-if has dispatch; then  # one process per point: a device fault costs one point, not the table
+if has dispatch; then  # one process per point and variant group: a device fault costs one part of the table
   parts=()
   for point in $(python3 benchmarks/bench_dispatch.py --list); do
-    step "bench_dispatch_$point" 120 python3 benchmarks/bench_dispatch.py --points "$point" --repeat "$REPEAT" \
-      --json "$LOGS/dispatch_$point.json" ${DISPATCH_ARGS:-} && parts+=("$LOGS/dispatch_$point.json")
+    for group in $(python3 benchmarks/bench_dispatch.py --list-groups); do
+      part="dispatch_${point}_${group%%,*}"
+      step "bench_$part" 120 python3 benchmarks/bench_dispatch.py --points "$point" --variants "$group" \
+        --repeat "$REPEAT" --json "$LOGS/$part.json" ${DISPATCH_ARGS:-} && parts+=("$LOGS/$part.json")
+    done
   done
   (( ${#parts[@]} )) && step bench_dispatch 30 python3 benchmarks/bench_dispatch.py --merge "${parts[@]}" \
     --json "$LOGS/dispatch.json"

@@ -416,21 +416,30 @@ def test_bench_dispatch_functional_feeds_the_model(tmp_path):
         in run.stdout
 
 
-def test_bench_dispatch_merges_points_run_apart(tmp_path):
-    """One process per point (scripts/gpu_session.sh), then --merge: one document, points in order."""
+def test_bench_dispatch_merges_points_and_variant_groups_run_apart(tmp_path):
+    """One process per point and variant group (scripts/gpu_session.sh), then --merge: one document,
+    points in order, each row from the run that built it, ratios from the run that measured both."""
     assert _benchmark("bench_dispatch", "--list").split() == ["ws1-4096", "ws1-128", "deepseek-v3@EP8",
                                                              "deepseek-v3@EP32", "qwen3-235b@EP8", "mixtral-8x7b@EP8"]
+    groups = _benchmark("bench_dispatch", "--list-groups").split()
+    assert [g.split(",") for g in groups] == [["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "fp8a2a_cap"],
+                                               ["megatron_pad_graph", "fp8a2a_cap_graph"]]
     parts = []
-    for point in ("ws1-128", "mixtral-8x7b@EP8"):
-        parts.append(tmp_path / f"{point}.json")
+    for point, variants in (("ws1-128", "fp8a2a,fp8a2a_cap"), ("ws1-128", "fp8a2a_cap_graph"),
+                            ("mixtral-8x7b@EP8", "fp8a2a")):
+        parts.append(tmp_path / f"{point}-{len(parts)}.json")
         _benchmark("bench_dispatch", "--cpu", "--points", point, "--repeat", "1", "--iters", "1", "--warmup", "0",
-                   "--variants", "fp8a2a", "--json", parts[-1])
+                   "--variants", variants, "--json", parts[-1])
     text = _benchmark("bench_dispatch", "--merge", *parts, "--json", tmp_path / "all.json")
     doc = json.loads((tmp_path / "all.json").read_text())
     assert [p["name"] for p in doc["points"]] == ["ws1-128", "mixtral-8x7b@EP8"]
     assert doc["merged"] == [str(p) for p in parts] and "== mixtral-8x7b@EP8" in text
-    for part, point in zip(parts, doc["points"]):
-        assert point == json.loads(part.read_text())["points"][0]
+    first, second = (json.loads(p.read_text())["points"][0]["variants"] for p in parts[:2])
+    merged = doc["points"][0]["variants"]
+    assert merged["fp8a2a"] == first["fp8a2a"] and merged["fp8a2a_cap"] == first["fp8a2a_cap"]
+    assert merged["fp8a2a_cap_graph"] == second["fp8a2a_cap_graph"]  # its own run's row: unavailable on a CPU
+    assert merged["megatron"]["unavailable"].startswith("not selected")
+    assert doc["points"][1] == json.loads(parts[2].read_text())["points"][0]
 
 
 # ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------

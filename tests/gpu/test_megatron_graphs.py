@@ -79,13 +79,12 @@ def graphed_run(cfg, state=None):
             p.grad = None
         y = layer(hidden_states=x, attention_mask=None)
         y = y[0] if isinstance(y, tuple) else y
-        y_fwd = y.detach().clone()  # the output as the forward left it
+        # the output as the forward left it: a replayed backward reuses the graphs' static buffers
+        # and overwrote y on the H200 (with alltoall too)
+        y_fwd = y.detach().clone()
         (y.float() * G.float()).sum().backward()
         if step == 0:
             create_cudagraphs()
-        changed = rel(y.detach(), y_fwd)
-        if changed:  # a graph's static buffer reused by the backward (diagnostic, not an error here)
-            print(f"{cfg.moe_token_dispatcher_type}: the backward changed the output by {changed:.3g}")
         out = y_fwd, x.grad.detach().clone()
     grads = {}
     for n, p in layer.named_parameters():
@@ -116,9 +115,9 @@ SUPPORTED = [
 ]
 
 
-# every scope on the FP8 wire; the unquantized wire on the smallest and the largest scope
-CASES = [(*s, "fp8") for s in SUPPORTED] + [(*s, "raw") for s in SUPPORTED
-                                            if s[0] in ("router+preprocess-dropless", "whole-layer-drop-and-pad")]
+# every scope on the FP8 wire; the unquantized wire where one exists: the capacity mode (drop-and-pad)
+# always sends FP8 rows, whatever bf16_below_bytes says
+CASES = [(*s, "fp8") for s in SUPPORTED] + [(*s, "raw") for s in SUPPORTED if s[0] == "router+preprocess-dropless"]
 
 
 @pytest.mark.parametrize("name,modules,over,wire", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
