@@ -8,8 +8,9 @@
 #   bash scripts/gpu_session.sh small     (benchmarks/bench_small_model.py: a small GPT-MoE, eager and graphed)
 #   bash scripts/gpu_session.sh model     (the scale model from this session's kernel and dispatch JSON)
 #   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL suite and the all-to-all sweep on all of them)
-#   bash scripts/gpu_session.sh conv      (convergence runs, seeds $CONV_SEEDS (default "1 2"); on a machine of
-#                                          several GPUs they run on the last GPU beside the other modes)
+#   bash scripts/gpu_session.sh conv      (examples/convergence_megatron.py: seeds $CONV_SEEDS (default "1 2") at
+#                                          once, CONV_JOBS processes each, CONV_STEPS steps; on a machine of several
+#                                          GPUs they run on the last GPU beside the other modes; merge with --merge)
 #   modes combine: bash scripts/gpu_session.sh tests,kernels
 # One device call may take 600 s (BUDGET_S caps this script, default 570).
 # EXTRA="commands" runs them last, in the same environment (LOGS=the packed folder).
@@ -59,12 +60,17 @@ step build 300 python3 setup.py build_ext --inplace || exit 1
 python3 -c "import torch, fp8a2a.ops; print(torch.__version__, torch.cuda.get_device_name())"
 mode=,${1:-tests,bench},
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-conv() {  # one convergence run per seed: the four variants, identical data order and init within a seed
-  local budget=$(( (DEADLINE - SECONDS - 30) / ${#CONV_SEEDS_A[@]} )) rc=0
-  for seed in "${CONV_SEEDS_A[@]}"; do
-    step "convergence_seed$seed" $((budget + 20)) python3 examples/train_convergence.py --seed "$seed" --quiet \
-      --runs bf16,fp8_row,fp8_block128,fp8_row_fp8mlp --time-budget "$budget" --out "$LOGS/convergence_seed$seed" || rc=1
+conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each seed's arms in processes of their own
+  local budget=$((DEADLINE - SECONDS - 60)) pids=() rc=0 seed
+  (( budget < 120 )) && { echo "=== convergence: skipped, out of time"; return 1; }
+  echo "=== convergence: seeds ${CONV_SEEDS_A[*]}, ${CONV_STEPS:-3000} steps, time budget $budget s"
+  for seed in "${CONV_SEEDS_A[@]}"; do  # arms that do not fit the budget are skipped or truncated, and say so
+    timeout $((budget + 45)) python3 examples/convergence_megatron.py --seed "$seed" --jobs "${CONV_JOBS:-6}" \
+      --steps "${CONV_STEPS:-3000}" --time-budget "$budget" --no-plot --out "$LOGS/conv_seed$seed" \
+      > "$LOGS/conv_seed$seed.log" 2>&1 & pids+=($!)
   done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  for seed in "${CONV_SEEDS_A[@]}"; do tail -n 10 "$LOGS/conv_seed$seed/summary.txt" 2>/dev/null; done
   return $rc
 }
 read -ra CONV_SEEDS_A <<< "${CONV_SEEDS:-1 2}"
