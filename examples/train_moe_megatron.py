@@ -73,10 +73,8 @@ def init_distributed(device):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     else:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from fp8a2a.bench.launch import free_port
+        port = free_port()
         if device == "cuda":
             torch.cuda.set_device(0)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -7,7 +7,6 @@ has not finished after `timeout` seconds kills every rank and raises, so that a 
 waiting in a collective its peers never join) fails the test instead of stalling CI."""
 import multiprocessing as mp
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -15,14 +14,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fp8a2a.bench.launch import free_port
+
 DEFAULT_TIMEOUT = 300.0
 GRACE = 10.0  # after a rank fails: how long the others get to report before they are killed
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, world, port, fn, args, results, timeout):
@@ -42,7 +37,7 @@ def _rank_main(rank, world, port, fn, args, results, timeout):
 def run_ranks(world, fn, *args, timeout=DEFAULT_TIMEOUT):
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, timeout), daemon=True)
              for r in range(world)]
     for p in procs:

@@ -9,6 +9,13 @@ import torch.multiprocessing as mp
 TIMEOUT = datetime.timedelta(minutes=10)  # a collective a peer never joins fails instead of hanging
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _worker(rank, world, port, fn, args, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -24,9 +31,7 @@ def _worker(rank, world, port, fn, args, results):
 
 def run_cpu_ranks(world, fn, *args):
     """Rank 0's fn(rank, world, *args); a rank's exception is raised here with its traceback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     results = mp.get_context("spawn").SimpleQueue()
     procs = mp.spawn(_worker, (world, port, fn, args, results), nprocs=world, join=False)
     result = results.get()  # before joining: a large result would block rank 0's exit

@@ -17,9 +17,10 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import socket
 
 import torch
+
+from ..bench.launch import free_port
 
 
 @functools.lru_cache(None)
@@ -84,9 +85,7 @@ def world_of_one(seed: int = 123):
         torch.cuda.set_device(0)
     else:
         cpu_current_device()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1, timeout=datetime.timedelta(minutes=5))
     if cuda:
