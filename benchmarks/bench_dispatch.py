@@ -56,8 +56,11 @@ EP_RUNS = [("deepseek-v3", 4096, 7168, 256, 8, 8), ("deepseek-v3", 4096, 7168, 2
            ("qwen3-235b", 4096, 4096, 128, 8, 8), ("mixtral-8x7b", 4096, 4096, 8, 2, 8)]
 VARIANTS = ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph", "fp8a2a_cap",
             "fp8a2a_cap_graph"]
-GRAPH_VARIANTS = ["megatron_pad_graph", "fp8a2a_cap_graph"]
-VARIANT_GROUPS = [[v for v in VARIANTS if v not in GRAPH_VARIANTS], GRAPH_VARIANTS]  # one process each
+# The processes scripts/gpu_session.sh runs (--list-groups): (variants, one process per point).
+# Megatron's drop-and-pad replayed from a CUDA graph faulted on the H200 at 4096 tokens (an illegal
+# memory access that leaves the process's CUDA context unusable): it runs apart, point by point.
+VARIANT_GROUPS = [(["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "fp8a2a_cap"], False),
+                  (["fp8a2a_cap_graph"], False), (["megatron_pad_graph"], True)]
 RATIOS = [("fp8a2a", "megatron_fused"), ("fp8a2a", "megatron"), ("fp8a2a_cap", "megatron_pad"),
           ("fp8a2a_cap_graph", "megatron_pad_graph")]
 CAPACITY_FACTOR = 1.0
@@ -198,9 +201,6 @@ def build_point(p, cuda, megatron, wanted=None):
         return (graph_of(s, cuda), f"Megatron {megatron.version} ({how}), CUDA graph") if graph else \
             (s, f"Megatron {megatron.version} ({how})")
     pad_fused = not isinstance(megatron, str) and megatron.te is not None
-    # scripts/gpu_session.sh builds the two graph rows in a process of their own (GRAPH_VARIANTS):
-    # Megatron's fused drop-and-pad captured and run eagerly in one process faulted on the H200
-    # (an illegal memory access at 4096 tokens, 32 and 256 experts, in either order)
     v["megatron_pad_graph"].build(lambda: meg(pad_fused, True, graph=True), wanted)
     v["fp8a2a"].build(lambda: (fp8a2a_step(x, idx, w, e), "fp8a2a (FP8 rows, dropless)"), wanted)
     v["fp8a2a_cap"].build(lambda: (fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
@@ -329,7 +329,8 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="functional run on the CPU: tiny shapes, numbers meaningless")
     ap.add_argument("--list", action="store_true", help="print the point names and exit")
     ap.add_argument("--list-groups", action="store_true",
-                    help="print the variant groups that run in processes of their own (--variants values)")
+                    help="print the variant groups that run in processes of their own, as VARIANTS:all (every "
+                         "point in one process) or VARIANTS:point (a process per point)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="measure nothing: one report (and --json) from runs of other points (one process each, so "
                          "that a device fault costs one point)")
@@ -337,7 +338,7 @@ def main():
     if args.list:
         return print(" ".join(p["name"] for p in POINTS))
     if args.list_groups:
-        return print(" ".join(",".join(g) for g in VARIANT_GROUPS))
+        return print(" ".join(f"{','.join(g)}:{'point' if apart else 'all'}" for g, apart in VARIANT_GROUPS))
     if args.merge:
         return write_report(merge_runs(args.merge), args.json)
     cuda = not args.cpu
@@ -376,18 +377,31 @@ def main():
 
 
 def merge_runs(paths):
-    """One document from runs of other points or other variants of a point (--variants): a point's
-    rows come from the run that built them, its ratios from the run that measured both sides."""
-    docs, points = [], {}
+    """One document from runs of other points or other variants of a point (--variants): a row comes
+    from the run that built it, a ratio from the run that measured both sides; a pair measured only
+    in two processes gets the ratio of their medians, named so."""
+    docs, points, merged = [], {}, []
     for path in paths:
         with open(path) as fh:
             docs.append(json.load(fh))
+        merged += docs[-1].get("merged", [str(path)])
+    for key in ("repeat", "iters", "warmup", "functional_only"):
+        if len({json.dumps(d.get(key)) for d in docs}) > 1:
+            raise SystemExit(f"bench_dispatch --merge: the parts differ in {key}: {[d.get(key) for d in docs]}")
     for p in (p for d in docs for p in d["points"]):
         have = points.setdefault(p["name"], dict(p, variants={}, ratios={}))
         have["variants"].update({n: v for n, v in p["variants"].items()
-                                 if n not in have["variants"] or not v.get("unavailable", "").startswith(NOT_SELECTED)})
+                                 if n not in have["variants"] or v.get("unavailable") != NOT_SELECTED})
         have["ratios"].update(p["ratios"])
-    return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=list(paths))
+    for p in points.values():
+        for name, v in p["variants"].items():
+            if v.get("unavailable") == NOT_SELECTED:
+                v["unavailable"] = "not measured: no part built it"
+        for num, den in RATIOS:
+            a, b = (p["variants"].get(n, {}).get("device_ms", {}).get("median") for n in (num, den))
+            if f"{num}/{den}" not in p["ratios"] and a and b:
+                p["ratios"][f"{num}/{den} (medians of two processes)"] = costs.spread([a / b])
+    return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=merged)
 
 
 def write_report(doc, path):

@@ -259,8 +259,15 @@ class Arm:
     def loss(self, x, y):
         return self.model(x, self.pos[: x.shape[0]], self.mask, labels=y).float().mean()
 
+    def new_weights(self):
+        """Before the first micro-batch of a step or an evaluation, as Megatron's schedules do: TE
+        casts its FP8 weights again (without it TE keeps the weights cast at step 1)."""
+        if hasattr(self.model, "set_is_first_microbatch"):
+            self.model.set_is_first_microbatch()
+
     def step(self, i):
         self.model.train()
+        self.new_weights()
         for g in self.opt.param_groups:
             g["lr"] = lr_at(i, self.steps, self.cfg)
         x, y = self.data.get(i)
@@ -285,13 +292,12 @@ class Arm:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
         invalidate_fp8_weight_cache()  # the FP8 experts' cached weights (the copy above bumps versions too)
-        if hasattr(self.model, "set_is_first_microbatch"):  # TE recasts its FP8 weights (Megatron's train_step)
-            self.model.set_is_first_microbatch()
         return loss.detach()
 
     @torch.no_grad()
     def val_loss(self, full=False):
         self.model.eval()
+        self.new_weights()
         v, tot, b = (self.data.val_full if full else self.data.val), 0.0, self.cfg.batch
         for i in range(0, v.shape[0] - b + 1, b):  # whole batches (the training shape)
             w = v[i: i + b]

@@ -82,7 +82,7 @@ fi
 conv_pid=
 if [[ $mode == *,conv,* ]]; then
   if (( NGPU > 1 )); then (export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); conv) & conv_pid=$!
-  else conv; fi
+  else conv || FAILED+=" convergence"; fi
 fi
 REPEAT=${REPEAT:-1}
 if [[ $mode == *,tests,* ]]; then
@@ -101,12 +101,15 @@ fi
 has() { [[ $mode == *,$1,* || $mode == *,bench,* ]]; }  # a mode given, or `bench` (every benchmark)
 has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
   --json "$LOGS/megatron_layer.json" ${LAYER_ARGS:-}
-if has dispatch; then  # one process per point and variant group: a device fault costs one part of the table
-  parts=()
-  for point in $(python3 benchmarks/bench_dispatch.py --list); do
-    for group in $(python3 benchmarks/bench_dispatch.py --list-groups); do
-      part="dispatch_${point}_${group%%,*}"
-      step "bench_$part" 120 python3 benchmarks/bench_dispatch.py --points "$point" --variants "$group" \
+if has dispatch; then  # the variant groups in processes of their own (bench_dispatch.py VARIANT_GROUPS), then --merge
+  parts=() n=0 points=$(python3 benchmarks/bench_dispatch.py --list) groups=$(python3 benchmarks/bench_dispatch.py --list-groups)
+  [[ -n $points && -n $groups ]] || { echo "=== bench_dispatch: no points or groups"; FAILED+=" bench_dispatch"; }
+  for group in $groups; do  # VARIANTS:all (every point in one process) or VARIANTS:point (one per point)
+    variants=${group%:*}
+    if [[ ${group##*:} == point ]]; then each=$points; else each=$(tr ' ' ',' <<< "$points"); fi
+    for p in $each; do
+      part="dispatch_${variants%%,*}_$n" n=$((n + 1))
+      step "bench_$part" 180 python3 benchmarks/bench_dispatch.py --points "$p" --variants "$variants" \
         --repeat "$REPEAT" --json "$LOGS/$part.json" ${DISPATCH_ARGS:-} && parts+=("$LOGS/$part.json")
     done
   done

@@ -417,48 +417,50 @@ def test_bench_dispatch_functional_feeds_the_model(tmp_path):
 
 
 def test_bench_dispatch_merges_points_and_variant_groups_run_apart(tmp_path):
-    """One process per point and variant group (scripts/gpu_session.sh), then --merge: one document,
-    points in order, each row from the run that built it, ratios from the run that measured both."""
+    """Variant groups in processes of their own (scripts/gpu_session.sh), then --merge: one document,
+    points in order, each row from the run that built it."""
     assert _benchmark("bench_dispatch", "--list").split() == ["ws1-4096", "ws1-128", "deepseek-v3@EP8",
                                                              "deepseek-v3@EP32", "qwen3-235b@EP8", "mixtral-8x7b@EP8"]
-    groups = _benchmark("bench_dispatch", "--list-groups").split()
-    assert [g.split(",") for g in groups] == [["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "fp8a2a_cap"],
-                                               ["megatron_pad_graph", "fp8a2a_cap_graph"]]
+    assert _benchmark("bench_dispatch", "--list-groups").split() == [
+        "megatron_fused,megatron,fp8a2a,megatron_pad,fp8a2a_cap:all", "fp8a2a_cap_graph:all", "megatron_pad_graph:point"]
     parts = []
-    for point, variants in (("ws1-128", "fp8a2a,fp8a2a_cap"), ("ws1-128", "fp8a2a_cap_graph"),
-                            ("mixtral-8x7b@EP8", "fp8a2a")):
-        parts.append(tmp_path / f"{point}-{len(parts)}.json")
-        _benchmark("bench_dispatch", "--cpu", "--points", point, "--repeat", "1", "--iters", "1", "--warmup", "0",
+    for points, variants in (("ws1-128,mixtral-8x7b@EP8", "fp8a2a,fp8a2a_cap"), ("ws1-128", "fp8a2a_cap_graph")):
+        parts.append(tmp_path / f"part{len(parts)}.json")
+        _benchmark("bench_dispatch", "--cpu", "--points", points, "--repeat", "1", "--iters", "1", "--warmup", "0",
                    "--variants", variants, "--json", parts[-1])
     text = _benchmark("bench_dispatch", "--merge", *parts, "--json", tmp_path / "all.json")
     doc = json.loads((tmp_path / "all.json").read_text())
     assert [p["name"] for p in doc["points"]] == ["ws1-128", "mixtral-8x7b@EP8"]
     assert doc["merged"] == [str(p) for p in parts] and "== mixtral-8x7b@EP8" in text
-    first, second = (json.loads(p.read_text())["points"][0]["variants"] for p in parts[:2])
+    first, second = (json.loads(p.read_text())["points"] for p in parts)
     merged = doc["points"][0]["variants"]
-    assert merged["fp8a2a"] == first["fp8a2a"] and merged["fp8a2a_cap"] == first["fp8a2a_cap"]
-    assert merged["fp8a2a_cap_graph"] == second["fp8a2a_cap_graph"]  # its own run's row: unavailable on a CPU
-    assert merged["megatron"]["unavailable"].startswith("not selected")
-    assert doc["points"][1] == json.loads(parts[2].read_text())["points"][0]
+    assert merged["fp8a2a"] == first[0]["variants"]["fp8a2a"] and merged["fp8a2a_cap"] == first[0]["variants"]["fp8a2a_cap"]
+    assert merged["fp8a2a_cap_graph"] == second[0]["variants"]["fp8a2a_cap_graph"]  # unavailable on a CPU: its reason
+    assert merged["megatron"]["unavailable"] == "not measured: no part built it"
+    assert doc["points"][1]["variants"]["fp8a2a"] == first[1]["variants"]["fp8a2a"]
 
 
-# ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------
+def test_bench_dispatch_merge_ratio_across_processes_and_parts_that_differ(tmp_path):
+    """The two graph rows of a point from two processes: the ratio of their medians, named so; parts
+    run with other settings are refused."""
+    parts = []
+    for variant, runs in (("fp8a2a_cap_graph", [1.0, 2.0, 3.0]), ("megatron_pad_graph", [4.0, 8.0, 9.0])):
+        parts.append(tmp_path / f"{variant}.json")
+        _benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "3", "--iters", "1", "--warmup", "0",
+                   "--variants", variant, "--json", parts[-1])
+        doc = json.loads(parts[-1].read_text())  # a CPU cannot replay graphs: the timings as a GPU run has them
+        doc["points"][0]["variants"][variant] = {"label": variant, "device_ms": costs.spread(runs),
+                                                 "host_ms": costs.spread(runs)}
+        parts[-1].write_text(json.dumps(doc))
+    _benchmark("bench_dispatch", "--merge", *parts, "--json", tmp_path / "m.json")
+    ratios = json.loads((tmp_path / "m.json").read_text())["points"][0]["ratios"]
+    assert ratios == {"fp8a2a_cap_graph/megatron_pad_graph (medians of two processes)":
+                      {"median": 0.25, "min": 0.25, "max": 0.25, "runs": [0.25]}}
+    doc["repeat"] = 1
+    parts[-1].write_text(json.dumps(doc))
+    done = _run(os.path.join("benchmarks", "bench_dispatch.py"), "--merge", *parts)
+    assert done.returncode != 0 and "differ in repeat" in done.stderr
 
-def test_bench_kernels_functional(tmp_path):
-    out = tmp_path / "k.json"
-    text = _benchmark("bench_kernels", "--tokens", "64", "--hidden", "256", "--host-tokens", "16", "--host-hidden",
-                      "256", "--iters", "2", "--host-calls", "2", "--experts", "16", "--ranks", "4", "--json", out,
-                      "--cpu")
-    doc = json.loads(out.read_text())
-    assert doc["functional_only"] is True and doc["copy_tbps"] > 0
-    names = [r["op"] for r in doc["ops"]]
-    assert names == ["quantize_row", "quantize_block128", "dispatch_pack", "dispatch_unpack", "combine_pack",
-                     "combine_unpack", "dequantize"]
-    for r in doc["ops"]:
-        assert r["ms"] > 0 and r["eager_ms"] > 0 and r["host_us"] > 0 and r["frac_of_copy"] > 0, r
-    assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us",
-                                   "dispatch_pack_host_vs_eager_quantize"}
-    assert "FUNCTIONAL" in text and "dispatch_pack" in text and "x copy" in text
 
 
 def test_bench_moe_layer_functional(tmp_path):

@@ -370,14 +370,36 @@ def test_default_granularity_follows_the_recipe():
     for recipe, g in want.items():
         assert default_granularity(cfg(recipe), fp8_experts=False) == g
         assert default_granularity(cfg(recipe), fp8_experts=True) == "row"
-    assert default_granularity(cfg("blockwise", fp8=None), fp8_experts=False) == "row"  # Megatron's default recipe
+    assert default_granularity(cfg("blockwise", fp8=None), fp8_experts=False) == "row"  # FP8 off
     assert default_granularity(cfg("blockwise", hidden=200), fp8_experts=False) == "row"  # no 128-value blocks
+    assert default_granularity(cfg("blockwise", moe_latent_size=200), fp8_experts=False) == "row"  # the dispatched width
     assert default_granularity(cfg("blockwise", fp8a2a_granularity="row"), fp8_experts=False) is None
     try:
         fm.register(granularity="row")
         assert default_granularity(cfg("blockwise"), fp8_experts=False) is None
     finally:
         fm.options.reset_defaults()
+
+
+def _granularity_in_child(rank, world, fp8_experts, recipe, over):
+    init_parallel(world)
+    try:
+        cfg = make_config(fm.FP8_ALLTOALL, **over)
+        cfg.fp8, cfg.fp8_recipe = "e4m3", recipe  # after construction: megatron-core refuses fp8 without TE
+        layer = build(moe_spec(8, fp8_experts), cfg)
+        return layer.token_dispatcher.dispatcher.granularity
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("fp8_experts,recipe,over,want", [
+    (False, "blockwise", {}, "block128"), (False, "tensorwise", {}, "row"),
+    (False, "blockwise", {"fp8a2a_granularity": "tensor"}, "tensor"),
+    pytest.param(True, "blockwise", {}, "row", marks=pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="no FP8 experts"))])
+def test_layer_dispatcher_takes_the_recipe_granularity(fp8_experts, recipe, over, want):
+    """Through MoELayer on 2 ranks: the Dispatcher is built once, after the experts, on every rank (its
+    agreement collective would hang or raise otherwise)."""
+    assert run_ranks(2, _granularity_in_child, fp8_experts, recipe, over, timeout=120) == [want, want]
 
 
 def test_options_precedence():

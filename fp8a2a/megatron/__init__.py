@@ -92,7 +92,8 @@ def add_arguments(parser):
     d = Options()
     g = parser.add_argument_group("fp8a2a", "FP8 token dispatch (--moe-token-dispatcher-type fp8_alltoall)")
     g.add_argument("--fp8a2a-granularity", choices=list(GRANULARITIES), default=None,
-                   help=f"FP8 scale granularity on the wire (default {d.granularity})")
+                   help=f"FP8 scale granularity on the wire (default {d.granularity}; block128 under TE's "
+                        "blockwise recipe with Megatron's experts)")
     g.add_argument("--fp8a2a-capacity-mode", choices=list(CAPACITY_MODES), default=None,
                    help="how --moe-expert-capacity-factor / --moe-pad-expert-input-to-capacity map: auto "
                         "(default): drop-and-pad uses fp8a2a's capacity mode (static shapes, no host sync), a "
@@ -269,7 +270,8 @@ def register(**defaults):
 
     defaults: process-wide option defaults (granularity, capacity_mode, fp8_combine,
     fp8_dispatch_backward, bf16_below_bytes, and the FP8 experts' fp8_dgrad, fp8_wgrad); config attributes fp8a2a_<name> and the --fp8a2a-*
-    flags take precedence. Returns the resolved defaults."""
+    flags take precedence; a granularity given nowhere follows the TE recipe
+    (options.default_granularity). Returns the resolved defaults."""
     import megatron.core  # noqa: F401  (a clear ImportError when megatron-core is missing)
 
     opts = set_defaults(**defaults) if defaults else resolve(None)

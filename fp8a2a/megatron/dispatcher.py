@@ -211,7 +211,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
                 raise ValueError(f"fp8a2a: unexpected TP x EP group layout (rank {got}, expected ep_rank * tp_size "
                                  f"+ tp_rank = {want})")
         self._group = group
-        self.dispatcher = self._make_dispatcher()
+        self._dispatcher = None  # built on first use: Dispatcher() runs one collective (its options' agreement)
         self.deliver_fp8 = False
         self.shared_experts = None
 
@@ -225,19 +225,26 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._pad_rows = None  # destination rows of the received rows in the padded layout
         self.cudagraph_attrs = ["_x", "_topk_idx"]
 
-    def _make_dispatcher(self):
-        config = self.options.dispatcher_config(bf16_below_bytes=int(self.options.bf16_below_bytes),
-                                                expert_tp_size=self.tp_size, capacity_factor=self.capacity_factor)
-        return Dispatcher(self.num_experts, group=self._group, config=config)
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The fp8a2a.Dispatcher, built once, with the options as they stand then."""
+        if self._dispatcher is None:
+            config = self.options.dispatcher_config(bf16_below_bytes=int(self.options.bf16_below_bytes),
+                                                    expert_tp_size=self.tp_size, capacity_factor=self.capacity_factor)
+            self._dispatcher = Dispatcher(self.num_experts, group=self._group, config=config)
+        return self._dispatcher
 
     def set_experts(self, experts):
-        """Called once the MoELayer has built its experts: FP8 rows go to experts that take them
-        (fp8a2a_accepts_quantized), and a run that gave no granularity gets the experts' default."""
+        """Called once the MoELayer has built its experts, before the Dispatcher is built (once, on
+        every rank): FP8 rows go to experts that take them (fp8a2a_accepts_quantized), and a run
+        that gave no granularity gets the experts' default."""
+        if self._dispatcher is not None:
+            raise RuntimeError("fp8a2a: set_experts after the Dispatcher was built")
         self.deliver_fp8 = bool(getattr(experts, "fp8a2a_accepts_quantized", False))
         granularity = default_granularity(self._megatron_config, fp8_experts=self.deliver_fp8)
-        if granularity is not None and granularity != self.options.granularity:
+        if granularity is not None:
             self.options = replace(self.options, granularity=granularity)
-            self.dispatcher = self._make_dispatcher()
+        return self.dispatcher
 
     # ---- helpers -------------------------------------------------------------------------------
 

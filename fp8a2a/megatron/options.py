@@ -6,7 +6,8 @@ Each option is looked up, first match wins:
   2. the same attribute on megatron.training's global args, when that module is in use and the
      flag was given (--fp8a2a-granularity ...; the parser defaults are None = not given),
   3. the defaults given to fp8a2a.megatron.register(...),
-  4. the built-in defaults (DispatcherConfig's, and capacity_mode "auto").
+  4. the built-in defaults (DispatcherConfig's, and capacity_mode "auto"); a granularity given
+     nowhere follows the TE recipe (default_granularity).
 The options are the names in NAMES: DispatcherConfig's wire options, capacity_mode and the FP8
 experts' fp8_dgrad / fp8_wgrad (FP8GroupedMLP's, for fp8_experts_spec). The dispatcher's other
 fields (expert_tp_size, capacity_factor) come from the TransformerConfig's own settings
@@ -60,9 +61,10 @@ _registered_names = set()  # the options register() set (a default counts as giv
 # The wire granularity under a TE FP8 recipe when the run gives none and Megatron's experts run
 # the GEMMs. TE's GroupedLinear takes no FP8 input (README), so the rows are dequantized and TE
 # quantizes them again whatever the wire carries: the blockwise recipe gets its own quantizer's
-# 128-value blocks (as fast as row); current and delayed scaling keep row, since tensor
-# granularity adds an amax all-reduce per dispatch and measured no faster (BENCHMARKS.md).
-# fp8a2a's FP8 experts take row scales; other recipes (mxfp8, nvfp4) keep row.
+# 128-value blocks (as fast as row); current scaling keeps row, since tensor granularity adds an
+# amax all-reduce per dispatch and measured no faster (BENCHMARKS.md); delayed scaling (one scale
+# per tensor too, not measured) follows it. fp8a2a's FP8 experts take row scales; other recipes
+# (mxfp8, nvfp4) keep row.
 RECIPE_GRANULARITY = {"blockwise": "block128"}
 
 
@@ -112,6 +114,8 @@ def default_granularity(config, fp8_experts: bool):
         return "row"
     recipe = getattr(config, "fp8_recipe", None)
     granularity = RECIPE_GRANULARITY.get(str(getattr(recipe, "value", recipe)), "row")
-    if granularity == "block128" and getattr(config, "hidden_size", 0) % 128:
-        return "row"  # block128 needs hidden % 128 == 0
+    # the dispatched width: Megatron projects to moe_latent_size before the dispatch when it is set
+    width = getattr(config, "moe_latent_size", None) or getattr(config, "hidden_size", 0)
+    if granularity == "block128" and width % 128:
+        return "row"  # block128 needs a width % 128 == 0
     return granularity
