@@ -64,12 +64,16 @@ conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each 
   local budget=$((DEADLINE - SECONDS - 60)) pids=() rc=0 seed
   (( budget < 120 )) && { echo "=== convergence: skipped, out of time"; return 1; }
   echo "=== convergence: seeds ${CONV_SEEDS_A[*]}, ${CONV_STEPS:-3000} steps, time budget $budget s"
+  # MPS=1: the processes share the GPU through MPS instead of time slices (not yet tried on the device)
+  [[ ${MPS:-0} == 1 ]] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d \
+    && echo "MPS daemon started"
   for seed in "${CONV_SEEDS_A[@]}"; do  # arms that do not fit the budget are skipped or truncated, and say so
     timeout $((budget + 45)) python3 examples/convergence_megatron.py --seed "$seed" --jobs "${CONV_JOBS:-6}" \
       --steps "${CONV_STEPS:-3000}" --time-budget "$budget" --no-plot --out "$LOGS/conv_seed$seed" \
       > "$LOGS/conv_seed$seed.log" 2>&1 & pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  [[ ${MPS:-0} == 1 ]] && echo quit | nvidia-cuda-mps-control 2>/dev/null
   for seed in "${CONV_SEEDS_A[@]}"; do tail -n 10 "$LOGS/conv_seed$seed/summary.txt" 2>/dev/null; done
   return $rc
 }
