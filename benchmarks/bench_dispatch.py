@@ -388,18 +388,22 @@ def merge_runs(paths):
     for key in ("repeat", "iters", "warmup", "functional_only"):
         if len({json.dumps(d.get(key)) for d in docs}) > 1:
             raise SystemExit(f"bench_dispatch --merge: the parts differ in {key}: {[d.get(key) for d in docs]}")
-    for p in (p for d in docs for p in d["points"]):
-        have = points.setdefault(p["name"], dict(p, variants={}, ratios={}))
-        have["variants"].update({n: v for n, v in p["variants"].items()
-                                 if n not in have["variants"] or v.get("unavailable") != NOT_SELECTED})
-        have["ratios"].update(p["ratios"])
+    source = {}  # (point, variant): the part its row came from
+    for part, d in enumerate(docs):
+        for p in d["points"]:
+            have = points.setdefault(p["name"], dict(p, variants={}, ratios={}))
+            for n, v in p["variants"].items():
+                if n not in have["variants"] or v.get("unavailable") != NOT_SELECTED:
+                    have["variants"][n], source[p["name"], n] = v, part
+            have["ratios"].update(p["ratios"])
     for p in points.values():
         for name, v in p["variants"].items():
             if v.get("unavailable") == NOT_SELECTED:
                 v["unavailable"] = "not measured: no part built it"
         for num, den in RATIOS:
             a, b = (p["variants"].get(n, {}).get("device_ms", {}).get("median") for n in (num, den))
-            if f"{num}/{den}" not in p["ratios"] and a and b:
+            apart = source.get((p["name"], num)) != source.get((p["name"], den))
+            if f"{num}/{den}" not in p["ratios"] and a and b and apart:
                 p["ratios"][f"{num}/{den} (medians of two processes)"] = costs.spread([a / b])
     return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=merged)
 

@@ -25,7 +25,12 @@ OUT=${OUT:-gpu_out}
 LOGS=$(mktemp -d)/gpu_results
 mkdir -p "$OUT" "$LOGS"
 export LOGS
-trap 'tar czf "$OUT/gpu_results.tgz" -C "$(dirname "$LOGS")" gpu_results' EXIT
+stop_mps() {  # conv's MPS daemon, if it started one (the later steps then run without MPS)
+  [[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} ]] && echo quit | nvidia-cuda-mps-control >/dev/null 2>&1
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  return 0
+}
+trap 'stop_mps; tar czf "$OUT/gpu_results.tgz" -C "$(dirname "$LOGS")" gpu_results' EXIT
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -64,16 +69,21 @@ conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each 
   local budget=$((DEADLINE - SECONDS - 60)) pids=() rc=0 seed
   (( budget < 120 )) && { echo "=== convergence: skipped, out of time"; return 1; }
   echo "=== convergence: seeds ${CONV_SEEDS_A[*]}, ${CONV_STEPS:-3000} steps, time budget $budget s"
-  # MPS=1: the processes share the GPU through MPS instead of time slices (not yet tried on the device)
-  [[ ${MPS:-0} == 1 ]] && command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d \
-    && echo "MPS daemon started"
+  # MPS=1: the processes share the GPU through MPS instead of time slices (not yet tried on the device);
+  # a private pipe directory keeps the other steps' processes off it; the EXIT trap stops it
+  if [[ ${MPS:-0} == 1 ]]; then
+    export CUDA_MPS_PIPE_DIRECTORY=$LOGS/../mps_pipe CUDA_MPS_LOG_DIRECTORY=$LOGS/../mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then echo "MPS daemon started"
+    else echo "MPS=1: no MPS daemon (nvidia-cuda-mps-control missing or failed): time slices"; fi
+  fi
   for seed in "${CONV_SEEDS_A[@]}"; do  # arms that do not fit the budget are skipped or truncated, and say so
     timeout $((budget + 45)) python3 examples/convergence_megatron.py --seed "$seed" --jobs "${CONV_JOBS:-6}" \
       --steps "${CONV_STEPS:-3000}" --time-budget "$budget" --no-plot --out "$LOGS/conv_seed$seed" \
       > "$LOGS/conv_seed$seed.log" 2>&1 & pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-  [[ ${MPS:-0} == 1 ]] && echo quit | nvidia-cuda-mps-control 2>/dev/null
+  stop_mps
   for seed in "${CONV_SEEDS_A[@]}"; do tail -n 10 "$LOGS/conv_seed$seed/summary.txt" 2>/dev/null; done
   return $rc
 }
@@ -114,7 +124,8 @@ if has dispatch; then  # the variant groups in processes of their own (bench_dis
     for p in $each; do
       part="dispatch_${variants%%,*}_$n" n=$((n + 1))
       step "bench_$part" 180 python3 benchmarks/bench_dispatch.py --points "$p" --variants "$variants" \
-        --repeat "$REPEAT" --json "$LOGS/$part.json" ${DISPATCH_ARGS:-} && parts+=("$LOGS/$part.json")
+        --repeat "$REPEAT" --json "$LOGS/$part.json" ${DISPATCH_ARGS:-}
+      [[ -f $LOGS/$part.json ]] && parts+=("$LOGS/$part.json")  # also a part that failed after writing its rows
     done
   done
   (( ${#parts[@]} )) && step bench_dispatch 30 python3 benchmarks/bench_dispatch.py --merge "${parts[@]}" \

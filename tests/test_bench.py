@@ -462,6 +462,24 @@ def test_bench_dispatch_merge_ratio_across_processes_and_parts_that_differ(tmp_p
     assert done.returncode != 0 and "differ in repeat" in done.stderr
 
 
+# ---- the kernel and MoE-layer benchmarks at functional sizes -------------------------------
+
+def test_bench_kernels_functional(tmp_path):
+    out = tmp_path / "k.json"
+    text = _benchmark("bench_kernels", "--tokens", "64", "--hidden", "256", "--host-tokens", "16", "--host-hidden",
+                      "256", "--iters", "2", "--host-calls", "2", "--experts", "16", "--ranks", "4", "--json", out,
+                      "--cpu")
+    doc = json.loads(out.read_text())
+    assert doc["functional_only"] is True and doc["copy_tbps"] > 0
+    names = [r["op"] for r in doc["ops"]]
+    assert names == ["quantize_row", "quantize_block128", "dispatch_pack", "dispatch_unpack", "combine_pack",
+                     "combine_unpack", "dequantize"]
+    for r in doc["ops"]:
+        assert r["ms"] > 0 and r["eager_ms"] > 0 and r["host_us"] > 0 and r["frac_of_copy"] > 0, r
+    assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us",
+                                   "dispatch_pack_host_vs_eager_quantize"}
+    assert "FUNCTIONAL" in text and "dispatch_pack" in text and "x copy" in text
+
 
 def test_bench_moe_layer_functional(tmp_path):
     out = tmp_path / "m.json"
