@@ -45,11 +45,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.nn.functional as F
 
 from . import ops
 from .quant import QuantizedTensor, quantize, scale_rule
+from .weight_cache import (_dense_weight, _lazy, expert_weights,  # noqa: F401  (expert_weights,
+                           fp8_weight, invalidate_fp8_weight_cache)  # invalidate...: re-exported)
 from .wire import Granularity
 
 FP8 = torch.float8_e4m3fn
@@ -143,148 +144,6 @@ def _dequant(xq, xs, dtype=torch.float32):
 def _quant_rows(x):
     """(e4m3 [M, K], scale [M]) of a float [M, K] by the package rule: the extension's quantize kernel."""
     return ops.quantize(x.contiguous(), Granularity.ROW, None)
-
-
-# Fused optimizers (e.g. AdamW(fused=True)) update weights without bumping their version counter,
-# so the FP8 weight cache is also keyed on an epoch that every optimizer step, any optimizer's, and
-# invalidate_fp8_weight_cache() advance.
-_weight_epoch = [0]
-
-
-def invalidate_fp8_weight_cache(*_):
-    """Requantize every expert weight at its next use. Call it after changing weights in a way
-    neither their version counter nor an optimizer step shows: writes through `.data` (manual SGD,
-    EMA swaps, `p.data.normal_()`), or into a buffer the parameters are views of."""
-    _weight_epoch[0] += 1
-
-
-register_optimizer_step_post_hook(invalidate_fp8_weight_cache)
-
-
-def _weight_version(w):
-    try:
-        return w._version
-    except RuntimeError:  # inference tensors carry no version counter: never cache
-        return None
-
-
-class _ExpertWeights(torch.autograd.Function):
-    """Stand-ins [E, N, K] for groups of E per-expert [N, K] parameters: no memory (zero strides),
-    the gradient of each stand-in handed to its parameters as slices (views, no copy)."""
-
-    @staticmethod
-    def forward(ctx, counts, *params):
-        ctx.counts, out, i = counts, [], 0
-        for n in counts:
-            out.append(params[i].new_empty(()).expand(n, *params[i].shape))
-            i += n
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        parts = [(None,) * n if g is None else g.unbind(0) for g, n in zip(grads, ctx.counts)]
-        return (None,) + tuple(t for part in parts for t in part)
-
-
-def expert_weights(*groups):
-    """For each group of E per-expert parameters [N, K] (Megatron's experts), an [E, N, K] weight for
-    grouped_linear / FP8GroupedMLP without stacking them: differentiable (each parameter gets its
-    slice of the gradient), but holding no values. The expert GEMMs read only the copies cached
-    on the parameters under fp8_weight's rule: the FP8 weights, and the BF16 stack the BF16 dgrad
-    reads (_dense_weight). Returns a tuple, one weight per group."""
-    groups = [tuple(g) for g in groups]
-    if any(not g or any(t.shape != g[0].shape for t in g) for g in groups):
-        raise ValueError("fp8a2a: expert_weights needs non-empty groups of same-shaped parameters")
-    out = _ExpertWeights.apply(tuple(len(g) for g in groups), *(t for g in groups for t in g))
-    for w, g in zip(out, groups):
-        w.__dict__["_fp8a2a_sources"] = g
-    return out
-
-
-def _cached(weight, kind, build):
-    """build(sources) cached on the weight (on the first of its parameters for an expert_weights
-    stand-in) under kind. The one validity rule: recomputed when a version counter or storage of a
-    source changes, after every optimizer step (fused optimizers do not bump versions) and after
-    invalidate_fp8_weight_cache(); never cached for inference tensors (no version counter)."""
-    sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
-    versions = tuple(_weight_version(t) for t in sources)
-    cacheable = None not in versions
-    key = (kind, versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources), weight.device,
-           tuple(weight.shape))
-    cache = sources[0].__dict__.setdefault("_fp8a2a_cache", {})
-    if cacheable and cache.get(kind, (None,))[0] == key:
-        return cache[kind][1]
-    cache.pop(kind, None)  # free the stale copy before building its successor
-    with torch.no_grad():
-        out = build(sources)
-    if cacheable:
-        cache[kind] = (key, out)
-    return out
-
-
-def _lazy(weight) -> bool:
-    return "_fp8a2a_sources" in weight.__dict__
-
-
-def _dense_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The values of an [E, N, K] weight: itself, or for an expert_weights stand-in the stack of its
-    parameters, cached (one copy of the local expert weights, refreshed when they change: it spares
-    every micro-batch a copy of all of them)."""
-    if not _lazy(weight):
-        return weight
-    return _cached(weight, "stack", lambda sources: torch.stack([t.detach() for t in sources]))
-
-
-def _fast_weight_quant(weight, sources, transposed):
-    """fp8_weight's build in one Triton launch (triton_kernels.expert_weight_quant: the same bytes),
-    or None where it does not apply: not CUDA / no Triton, no elements, another dtype, or for a
-    stand-in, parameters not all contiguous of one dtype on the weight's device."""
-    if not _triton_ok(weight):
-        return None
-    E, N, K = weight.shape
-    if E == 0 or N == 0 or K == 0:
-        return None
-    if not _lazy(weight):
-        w = weight.detach()
-        if w.dtype not in _tk().WEIGHT_DTYPES or w.stride(2) != 1:
-            return None
-        return _tk().expert_weight_quant(w, transposed)
-    ts = [t.detach() for t in sources]
-    t0 = ts[0]
-    if (len(ts) != E or t0.dtype not in _tk().WEIGHT_DTYPES
-            or any(t.device != weight.device or t.dtype != t0.dtype or t.shape != (N, K) or not t.is_contiguous()
-                   for t in ts)):
-        return None
-    return _tk().expert_weight_quant(ts, transposed)
-
-
-def fp8_weight(weight: torch.Tensor, transposed: bool = False):
-    """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
-    transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
-    weight tensor (on its parameters for an expert_weights stand-in, read through a table of their
-    addresses on CUDA, expert by expert elsewhere: no BF16 stack); recomputed as _cached says. On
-    CUDA with Triton one launch per call (triton_kernels.expert_weight_quant), the same bytes as the
-    extension's row quantization of the [E*N, K] (or transposed [E*K, N]) rows."""
-    def build(sources):
-        fast = _fast_weight_quant(weight, sources, transposed)
-        if fast is not None:
-            return fast
-        E, N, K = weight.shape
-        if transposed:
-            N, K = K, N
-        if not _lazy(weight):
-            w = weight.detach()
-            data, scale = _quant_rows((w.transpose(-2, -1) if transposed else w).reshape(E * N, K))
-            return data.view(E, N, K), scale.view(E, N)
-        data = torch.empty((E, N, K), dtype=FP8, device=weight.device)
-        scale = torch.empty((E, N), dtype=torch.float32, device=weight.device)
-        for e, t in enumerate(sources):
-            d, s = _quant_rows(t.detach().t() if transposed else t.detach())
-            data[e].copy_(d)
-            scale[e].copy_(s)
-        return data, scale
-
-    return _cached(weight, transposed, build)
 
 
 def _block_to_row(data, scale):

@@ -297,16 +297,16 @@ def test_fp8_weight_of_expert_parameters_is_cached_on_them():
 
 def _count_builds(monkeypatch):
     """{'stack': BF16 stacks built, 'fp8': weight quantizations} of the expert weight caches."""
-    import fp8a2a.experts as ex
+    import fp8a2a.weight_cache as wc
     counts = {"stack": 0, "fp8": 0}
-    cached = ex._cached
+    cached = wc._cached
 
     def counting(weight, kind, build):
         def counted(sources):
             counts["stack" if kind == "stack" else "fp8"] += 1
             return build(sources)
         return cached(weight, kind, counted)
-    monkeypatch.setattr(ex, "_cached", counting)
+    monkeypatch.setattr(wc, "_cached", counting)
     return counts
 
 

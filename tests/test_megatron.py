@@ -571,17 +571,17 @@ def _fp8_experts_errors(rank, world):
 def _fp8_experts_cache(rank, world):
     """FP8 experts over several micro-batches: the FP8 weights (and the BF16 stack of the BF16
     dgrad) are made once, again after an optimizer step and after a weight write."""
-    import fp8a2a.experts as ex
+    import fp8a2a.weight_cache as wc
     init_parallel(world)
     counts = {}
-    cached = ex._cached
+    cached = wc._cached
 
     def counting(weight, kind, build):
         def counted(sources):
             counts[kind] = counts.get(kind, 0) + 1
             return build(sources)
         return cached(weight, kind, counted)
-    ex._cached = counting
+    wc._cached = counting
     try:
         torch.manual_seed(1)
         layer = build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0))
@@ -602,7 +602,7 @@ def _fp8_experts_cache(rank, world):
         seen.append(dict(counts))
         return seen == [once, once, {False: 1, "stack": 1}] or seen
     finally:
-        ex._cached = cached
+        wc._cached = cached
         ps.destroy_model_parallel()
 
 

@@ -2,7 +2,7 @@
 sharding, state_dict and sharded_state_dict: checkpoints keep their layout) whose forward runs
 fp8a2a.FP8GroupedMLP on the FP8 rows that fp8_alltoall delivers (no dequantize in between).
 
-The local experts' fc1 / fc2 parameters reach FP8GroupedMLP as fp8a2a.experts.expert_weights
+The local experts' fc1 / fc2 parameters reach FP8GroupedMLP as fp8a2a.weight_cache.expert_weights
 stand-ins in its [E, out, in] layout: no per-forward stack. The GEMMs read the FP8 weights
 (quantized per output channel) and, for the BF16 dgrad, a BF16 stack, both cached on the
 parameters across micro-batches and rebuilt once they change (an optimizer step, an in-place
@@ -82,7 +82,7 @@ class _FP8ExpertsMixin:
     def _expert_params(self):  # -> ([E x [fc1_out, H]], [E x [H, ffn]])
         raise NotImplementedError
 
-    def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (fp8a2a.experts.expert_weights)
+    def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (fp8a2a.weight_cache.expert_weights)
         from ..experts import expert_weights
         return expert_weights(*self._expert_params())
 
