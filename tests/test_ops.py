@@ -260,6 +260,8 @@ def test_pack_bad_inputs():
         ops.dispatch_pack(x, idx.float(), w, 8, 2, 0, None)
     with pytest.raises(RuntimeError, match="float32"):
         ops.dispatch_pack(x, idx, w.double(), 8, 2, 0, None)
+    with pytest.raises(RuntimeError, match="rank_capacity must be >= 0"):  # as the CUDA launcher checks
+        ops.dispatch_pack(x, idx, w, 8, 2, 0, None, -1)
     with pytest.raises(RuntimeError, match="needs a scale"):
         ops.dispatch_pack(x, idx, w, 8, 2, 2, None)
     send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 1, 0, None)

@@ -123,6 +123,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x_in, const T
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
   check_granularity(granularity, H);
   if (granularity == kTensor) check_tensor_scale(tensor_scale, x, /*with_multiplier=*/true);
+  TORCH_CHECK(rank_capacity >= 0, "fp8a2a: rank_capacity must be >= 0, got ", rank_capacity);
   const DispatchRow L(H, granularity, K);
   const auto idx = topk_idx.to(at::kLong);
   const int64_t* ip = idx.data_ptr<int64_t>();
