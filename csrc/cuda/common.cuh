@@ -43,6 +43,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "../ops.h"
@@ -409,10 +411,15 @@ void launch_kernel(void (*kernel)(Args...), int64_t grid, int threads, size_t sm
 
 // Whether kernel may be launched early (programmatic dependent launch): an sm_90+ device running
 // code compiled for sm_90+ (code from older PTX has no griddepcontrol: it would not wait).
+// FP8A2A_EARLY_LAUNCH=0 turns it off (to tell an ordering bug from another one).
 template <typename Kernel>
 bool early_launch_ok(Kernel kernel, int device) {
   static int cache[256] = {0};  // 1 yes, 2 no
-  if (device < 0 || device >= 256) return false;
+  static const bool off = [] {
+    const char* v = std::getenv("FP8A2A_EARLY_LAUNCH");
+    return v != nullptr && std::string(v) == "0";
+  }();
+  if (off || device < 0 || device >= 256) return false;
   if (cache[device] == 0) {
     int major = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));

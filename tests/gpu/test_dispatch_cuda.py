@@ -4,8 +4,12 @@ from a CUDA graph. Marked gpu (skipped without CUDA). On one GPU:
 
     python -m pytest tests/gpu/test_dispatch_cuda.py -m gpu -q
 """
+import gc
+import importlib.util
 import os
 import warnings
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,10 +60,19 @@ def _capacity_step(d, x, idx, w):
     return d.combine(h, out.handle), out.handle.dropped
 
 
-def test_capacity_mode_has_no_host_sync_and_replays_from_a_cuda_graph(nccl_world_of_one):
-    xs, idxs, ws = make_inputs(1, 256, 1024, 32, 4, torch.bfloat16, routing="skewed")
+# (tokens, hidden, experts, top-k): 1024 slots take the one-launch drop and the self-routed pack;
+# 8192 and 32768 (the benchmark's ws1-4096 point) the sorted drop and the layout + scan + pack chain.
+GRAPH_SHAPES = [(256, 1024, 32, 4), (1024, 512, 64, 8), (4096, 7168, 256, 8)]
+
+
+@pytest.mark.parametrize("shape", GRAPH_SHAPES, ids=lambda s: f"{s[0] * s[3]}slots")
+@pytest.mark.parametrize("nccl", [True, False], ids=["nccl", "local"])
+def test_capacity_mode_has_no_host_sync_and_replays_from_a_cuda_graph(nccl_world_of_one, shape, nccl):
+    tokens, hidden, experts, topk = shape
+    xs, idxs, ws = make_inputs(1, tokens, hidden, experts, topk, torch.bfloat16, routing="skewed")
     x, idx, w = xs[0].cuda(), idxs[0].cuda(), ws[0].cuda()
-    d = fp8a2a.Dispatcher(32, capacity_factor=1.0, always_communicate=True)
+    d = fp8a2a.Dispatcher(experts, capacity_factor=1.0, always_communicate=nccl)
+    assert d.local != nccl
     eager, dropped = _capacity_step(d, x, idx, w)  # the first call per shape validates (one sync)
     assert int(dropped) > 0
     torch.cuda.synchronize()
@@ -70,16 +83,36 @@ def test_capacity_mode_has_no_host_sync_and_replays_from_a_cuda_graph(nccl_world
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(eager, again)
 
-    # Capture one step on static buffers, replay it on new values.
+    # Capture one step on static buffers, replay it on new values, twice (the second replay reuses
+    # the graph's memory as it was left).
     sx, sidx, sw = x.clone(), idx.clone(), w.clone()
     graph, (static_y, static_dropped) = capture_cuda_graph(lambda: _capacity_step(d, sx, sidx, sw))
-    xs2, idxs2, ws2 = make_inputs(1, 256, 1024, 32, 4, torch.bfloat16, seed=7)
-    sx.copy_(xs2[0].cuda()), sidx.copy_(idxs2[0].cuda()), sw.copy_(ws2[0].cuda())
-    graph.replay()
-    expected, expected_dropped = _capacity_step(d, xs2[0].cuda(), idxs2[0].cuda(), ws2[0].cuda())
+    for seed in (7, 8):
+        xs2, idxs2, ws2 = make_inputs(1, tokens, hidden, experts, topk, torch.bfloat16, routing="skewed", seed=seed)
+        sx.copy_(xs2[0].cuda()), sidx.copy_(idxs2[0].cuda()), sw.copy_(ws2[0].cuda())
+        graph.replay()
+        expected, expected_dropped = _capacity_step(d, xs2[0].cuda(), idxs2[0].cuda(), ws2[0].cuda())
+        torch.cuda.synchronize()
+        assert torch.equal(static_y, expected)
+        assert int(static_dropped) == int(expected_dropped) > 0
+
+
+def test_benchmark_graph_rows_hold_their_inputs():
+    """bench_dispatch builds every point's graph before it times any: a replay must hold the step's
+    static inputs, or their memory, freed, goes to the next point's tensors under the graph."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_dispatch.py"
+    spec = importlib.util.spec_from_file_location("bench_dispatch", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    x = torch.arange(8.0, device="cuda")
+    alive = weakref.ref(x)
+    replay = bench.graph_of(lambda: x * 2, cuda=True)
+    del x
+    gc.collect()
+    assert alive() is not None
+    _, y = replay()
     torch.cuda.synchronize()
-    assert torch.equal(static_y, expected)
-    assert int(static_dropped) == int(expected_dropped)
+    assert torch.equal(y, torch.arange(8.0, device="cuda") * 2)
 
 
 def test_default_mode_syncs_once_per_dispatch():
