@@ -104,10 +104,13 @@ def test_benchmark_graph_rows_hold_their_inputs():
     spec = importlib.util.spec_from_file_location("bench_dispatch", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    x = torch.arange(8.0, device="cuda")
-    alive = weakref.ref(x)
-    replay = bench.graph_of(lambda: x * 2, cuda=True)
-    del x
+
+    def make_step():  # the step's closure holds the only reference to its input
+        x = torch.arange(8.0, device="cuda")
+        return (lambda: x * 2), weakref.ref(x)
+    step, alive = make_step()
+    replay = bench.graph_of(step, cuda=True)
+    del step
     gc.collect()
     assert alive() is not None
     _, y = replay()
