@@ -128,6 +128,20 @@ def test_megatron_arms_smoke(tmp_path):
     assert set(meta["gaps_vs_bf16"]) == {"fp8_row", "bf16_order2"}
 
 
+def test_megatron_one_arm_trains_until_the_time_budget(tmp_path):
+    """A process with one arm (what each --jobs process gets) does not skip it on a start-up timing:
+    it trains until the deadline, and the run is marked truncated (left out of the gaps)."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "seed1"
+    run_megatron_example("--device", "cpu", "--tiny", "--steps", "1000", "--arms", "B", "--seed", "1",
+                         "--time-budget", "0.001", "--threads", "1", "--corpus-bytes", "1000000", "--out", str(out),
+                         "--quiet")
+    meta = json.loads((out / "summary.json").read_text())
+    assert meta["skipped"] == [] and meta["calibration"] is None
+    run = meta["runs"]["fp8_row_seed1"]
+    assert run["truncated"] and 0 < run["steps"] < 1000 and math.isfinite(run["final_val_loss"])
+
+
 def synthetic_seed_dir(path, seed, gaps, steps=3000, checksum=123.0):
     """A per-seed output dir as convergence_megatron.py writes it: arm A's final val loss, and the
     others' at A's times (1 + gap)."""
