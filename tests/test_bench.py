@@ -310,13 +310,13 @@ def test_costs_timing_and_spread_on_the_cpu():
 
 # ---- the scale model's measured inputs and its error report -------------------------------------
 
-def _dispatch_doc(fused=True):
+def _dispatch_doc(fused=True, meg_4096_ms=1.8):
     def point(tokens, meg_ms, fp8_ms):
         v = {"fp8a2a": {"device_ms": {"median": fp8_ms}}, "megatron": {"device_ms": {"median": meg_ms * 1.5}},
              "megatron_fused": {"device_ms": {"median": meg_ms}} if fused else {"unavailable": "no TE"}}
         return {"name": f"ws1-{tokens}", "tokens": tokens, "hidden": 7168, "experts": 256, "topk": 8, "ws1": True,
                 "variants": v}
-    return {"points": [point(4096, 1.8, 0.4), point(128, 0.8, 0.2),
+    return {"points": [point(4096, meg_4096_ms, 0.4), point(128, 0.8, 0.2),
                        {"name": "x@EP8", "tokens": 4096, "ws1": False, "variants": {}}]}
 
 
@@ -341,6 +341,11 @@ def test_model_takes_fixed_costs_and_megatron_bandwidth_from_bench_dispatch_json
     assert p.megatron_kernel_tbps == pytest.approx((b[1] - b[0]) / 1.0e-3 / 1e12)
     assert all(p.sources[k].startswith("measured: ") and "megatron_fused" in p.sources[k]
                for k in ("megatron_overhead_us", "megatron_kernel_tbps"))
+    # 4096 tokens barely slower than 128 (host-bound): the slope, above the copy rate, is not kept
+    path.write_text(json.dumps(_dispatch_doc(meg_4096_ms=0.81)))
+    p = bench_model.from_dispatch_json(bench_model.Params(), str(path))
+    assert p.megatron_kernel_tbps == bench_model.Params().megatron_kernel_tbps
+    assert p.sources["megatron_kernel_tbps"].startswith("assumed: ") and "host-bound" in p.sources["megatron_kernel_tbps"]
     path.write_text(json.dumps(_dispatch_doc(fused=False)))  # no TE in that run: the unfused row, said so
     p = bench_model.from_dispatch_json(bench_model.Params(), str(path))
     assert p.megatron_overhead_us == pytest.approx(600) and "megatron_fused unavailable" in p.sources[
