@@ -445,8 +445,10 @@ def requirements(seeds, meta):
     te = [r.get("te_fp8") or {} for r in runs]
     fine = all(c["experts"] >= 16 and c["topk"] >= 4 and c["hidden"] >= 512 and c["layers"] >= 4 for c in cfgs)
     paired = [s for s, a in seeds.items() if "A" in a and "noise" in a]
+    per_arm = {x: sum(1 for a in seeds.values() if x in a and "A" in a) for x in ARMS if x != "A"}
     one = lambda key: len({json.dumps(m.get(key), sort_keys=True) for ms in meta.values() for m in ms}) <= 1  # noqa: E731
-    return dict(seeds=sorted(seeds), seeds_with_a_and_noise=len(paired), enough_seeds=len(paired) >= MIN_SEEDS,
+    return dict(seeds=sorted(seeds), seeds_with_a_and_noise=len(paired), seeds_per_arm=per_arm,
+                enough_seeds=min(per_arm[x] for x in ("noise", *TARGET_ARMS)) >= MIN_SEEDS,
                 min_steps=min((r["steps"] for r in runs), default=0),
                 enough_steps=min((r["steps"] for r in runs), default=0) >= MIN_STEPS,
                 fine_grained_model=bool(cfgs) and fine, one_config=one("config"), one_corpus=one("corpus"),

@@ -209,6 +209,7 @@ def test_megatron_merge_t_interval(tmp_path):
     assert C["meets_targets"] is False
     assert "D" not in m["arms"] and m["verdict"] == "targets NOT met"
     assert all(v for k, v in m["requirements"].items() if isinstance(v, bool)), m["requirements"]
+    assert m["requirements"]["seeds_per_arm"] == dict(B=5, C=5, D=0, E=0, noise=5)
     text = (out / "convergence_summary.txt").read_text()
     assert "+0.050%" in text and "[-0.089%, +0.189%]" in text
     if importlib.util.find_spec("matplotlib"):
@@ -216,8 +217,9 @@ def test_megatron_merge_t_interval(tmp_path):
 
     # two seeds: t(0.975, 1) = 12.706; a seed whose arms start from other weights is refused
     two = run_megatron_example("--merge", dirs[0], dirs[1], "--out", str(tmp_path / "two"), "--quiet")
-    assert json.loads((tmp_path / "two" / "convergence_summary.json").read_text())["arms"]["B"]["t"] == \
-        pytest.approx(12.706, abs=1e-3), two.stdout
+    two_doc = json.loads((tmp_path / "two" / "convergence_summary.json").read_text())
+    assert two_doc["arms"]["B"]["t"] == pytest.approx(12.706, abs=1e-3), two.stdout
+    assert two_doc["requirements"]["enough_seeds"] is False and "falls short" in two_doc["verdict"]
     odd = synthetic_seed_dir(tmp_path / "odd", 9, dict(A=0.0), checksum=1.0)
     odd_b = synthetic_seed_dir(tmp_path / "odd_b", 9, dict(B=0.001), checksum=2.0)
     done = run_megatron_example("--merge", odd, odd_b, "--out", str(tmp_path / "bad"), check=False)
