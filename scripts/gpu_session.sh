@@ -10,7 +10,9 @@
 #   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL suite and the all-to-all sweep on all of them)
 #   bash scripts/gpu_session.sh conv      (examples/convergence_megatron.py: seeds $CONV_SEEDS (default "1 2") at
 #                                          once, CONV_JOBS processes each, CONV_STEPS steps; on a machine of several
-#                                          GPUs they run on the last GPU beside the other modes; merge with --merge)
+#                                          GPUs they run on the last GPU beside the other modes; merge with --merge.
+#                                          A seed as SEED:ARMS runs those arms only ("3:B,C 4:B,C,D,E"); CONV_ARGS
+#                                          adds flags (e.g. "--batch 32"), CONV_TAG suffixes the output dirs)
 #   modes combine: bash scripts/gpu_session.sh tests,kernels
 # One device call may take 600 s (BUDGET_S caps this script, default 570).
 # EXTRA="commands" runs them last, in the same environment (LOGS=the packed folder).
@@ -77,14 +79,20 @@ conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each 
     if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then echo "MPS daemon started"
     else echo "MPS=1: no MPS daemon (nvidia-cuda-mps-control missing or failed): time slices"; fi
   fi
-  for seed in "${CONV_SEEDS_A[@]}"; do  # arms that do not fit the budget are skipped or truncated, and say so
-    timeout $((budget + 45)) python3 examples/convergence_megatron.py --seed "$seed" --jobs "${CONV_JOBS:-6}" \
-      --steps "${CONV_STEPS:-3000}" --time-budget "$budget" --no-plot --out "$LOGS/conv_seed$seed" \
-      > "$LOGS/conv_seed$seed.log" 2>&1 & pids+=($!)
+  local entry arms dirs=()
+  for entry in "${CONV_SEEDS_A[@]}"; do  # arms that do not fit the budget are skipped or truncated, and say so
+    seed=${entry%%:*} arms=()
+    [[ $entry == *:* ]] && arms=(--arms "${entry#*:}")
+    local out=$LOGS/conv_seed$seed${CONV_TAG:-}
+    dirs+=("$out")
+    # shellcheck disable=SC2086  # CONV_ARGS: flags, split on purpose
+    timeout $((budget + 45)) python3 examples/convergence_megatron.py --seed "$seed" "${arms[@]}" \
+      --jobs "${CONV_JOBS:-6}" --steps "${CONV_STEPS:-3000}" --time-budget "$budget" --no-plot --out "$out" \
+      ${CONV_ARGS:-} > "$out.log" 2>&1 & pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
   stop_mps
-  for seed in "${CONV_SEEDS_A[@]}"; do tail -n 10 "$LOGS/conv_seed$seed/summary.txt" 2>/dev/null; done
+  for out in "${dirs[@]}"; do tail -n 10 "$out/summary.txt" 2>/dev/null; done
   return $rc
 }
 read -ra CONV_SEEDS_A <<< "${CONV_SEEDS:-1 2}"
