@@ -269,6 +269,22 @@ def test_pack_bad_inputs():
         ops.dispatch_unpack(send[:1], counts, 16, 0, 2, int(counts[:, ops.COUNTS_HEADER:].sum()))
 
 
+def test_unpack_rejects_counts_out_of_range():
+    """The CPU bounds the counts before they index recv (CUDA skips such rows instead)."""
+    x, (idx, w) = torch.randn(4, 16), routing(4, 2, 8)
+    send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, 0, None, 8)
+    over = counts.clone()
+    over[1, ops.ROWS] = 9  # past rank 1's segment, which ends the buffer
+    with pytest.raises(RuntimeError, match="over rank_capacity"):
+        ops.dispatch_unpack(send, over, 16, 0, 2, 4 * 2 * 8, 8, 8)
+    send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, 0, None)
+    rows = int(counts[:, ops.ROWS].sum())
+    negative = counts.clone()
+    negative[:, ops.ROWS] = torch.tensor([rows + 1, -1])  # rank 0 past the buffer; the total still fits
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.dispatch_unpack(send[:rows], negative, 16, 0, 2, int(counts[:, ops.COUNTS_HEADER:].sum()))
+
+
 def test_empty_batch():
     send, counts, send_pos = ops.dispatch_pack(torch.randn(0, 64), *routing(0, 4, 8), 8, 2, 0, None)
     assert send.shape[0] == 0 and counts[:, ops.ROWS].sum() == 0 and send_pos.shape == (0, 2)

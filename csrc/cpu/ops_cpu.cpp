@@ -213,11 +213,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
   const auto counts = recv_counts.contiguous();
   const int64_t R = counts.size(0), C = counts.size(1), El = C - kColExperts, Nr = recv.size(0), H = hidden;
   const int64_t* cp = counts.data_ptr<int64_t>();
+  const bool capacity = expert_capacity > 0;
+  // Counts come from other ranks: bound them before they index recv and the outputs (the CUDA
+  // kernel skips out-of-range rows instead, as checking there would need a host sync).
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = kColRows; c < C; ++c)
+      TORCH_CHECK(cp[r * C + c] >= 0 && (c != kColRows || !capacity || cp[r * C + c] <= rank_capacity),
+                  "fp8a2a: recv_counts[", r, ", ", c, "] = ", cp[r * C + c], " is out of range",
+                  c == kColRows && capacity ? " (over rank_capacity)" : "");
   // Expert-major destination of (source rank r, local expert e): rows of expert e, source ranks in order.
   std::vector<int64_t> base(R * El), row_start(R + 1, 0);
   auto tpe = at::zeros({El}, recv.options().dtype(at::kLong));
   int64_t* tp = tpe.data_ptr<int64_t>();
-  const bool capacity = expert_capacity > 0;
   for (int64_t e = 0, off = 0; e < El; ++e) {
     for (int64_t r = 0; r < R; ++r) {
       // Capacity mode: expert e owns rows [e * R * C, (e + 1) * R * C), source r a slice of C.
