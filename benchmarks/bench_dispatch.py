@@ -191,7 +191,7 @@ def graph_of(step, cuda):
     return replay
 
 
-def build_point(p, cuda, megatron, wanted=None):
+def build_point(p, cuda, megatron, wanted=None, grad=False):
     dev = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     t, h, e, k = p["tokens"], p["hidden"], p["experts"], p["topk"]
@@ -199,19 +199,23 @@ def build_point(p, cuda, megatron, wanted=None):
     idx, w = routing(t, e, k, dev)
     rmap = torch.zeros(t, e, dtype=torch.bool, device=dev).scatter_(1, idx, True)
     probs = torch.zeros(t, e, device=dev).scatter_(1, idx, w)
+    # grad: the eager rows' activations and router weights require grad, as in a training forward
+    # (autograd's bookkeeping counts); the graph rows capture the plain tensors
+    xe, we, pe = (x.clone().requires_grad_(), w.clone().requires_grad_(), probs.clone().requires_grad_()) if grad \
+        else (x, w, probs)
     v = {n: Variant(n) for n in VARIANTS}
 
     def meg(fused, pad, graph=False):
         if isinstance(megatron, str):
             raise RuntimeError(megatron)
-        s = megatron.step(p, x, rmap, probs, fused=fused, pad=pad)
+        s = megatron.step(p, x if graph else xe, rmap, probs if graph else pe, fused=fused, pad=pad)
         how = ("fused" if fused else "unfused") + (", drop-and-pad cf 1.0" if pad else ", dropless")
         return (graph_of(s, cuda), f"Megatron {megatron.version} ({how}), CUDA graph") if graph else \
             (s, f"Megatron {megatron.version} ({how})")
     pad_fused = not isinstance(megatron, str) and megatron.te is not None
     v["megatron_pad_graph"].build(lambda: meg(pad_fused, True, graph=True), wanted)
-    v["fp8a2a"].build(lambda: (fp8a2a_step(x, idx, w, e), "fp8a2a (FP8 rows, dropless)"), wanted)
-    v["fp8a2a_cap"].build(lambda: (fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
+    v["fp8a2a"].build(lambda: (fp8a2a_step(xe, idx, we, e), "fp8a2a (FP8 rows, dropless)"), wanted)
+    v["fp8a2a_cap"].build(lambda: (fp8a2a_step(xe, idx, we, e, capacity_factor=CAPACITY_FACTOR),
                                    "fp8a2a capacity mode cf 1.0"), wanted)
     v["fp8a2a_cap_graph"].build(lambda: (graph_of(fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
                                                   cuda), "fp8a2a capacity mode cf 1.0, CUDA graph"), wanted)
@@ -297,7 +301,9 @@ def _span(s, fmt="{:.3f}"):
 def format_report(doc):
     lines = [f"fp8a2a dispatch + combine vs Megatron's alltoall dispatcher, world size 1, {doc['device']}",
              f"timing: {doc['timing']}; {doc['repeat']} run(s) x {doc['iters']} calls: median [min-max] of the run "
-             "medians", f"peers: megatron-core {doc['megatron_core']}, TransformerEngine {doc['transformer_engine']}",
+             "medians" + ("; the eager rows' activations and router weights require grad (a training forward)"
+                          if doc.get("grad") else ""),
+             f"peers: megatron-core {doc['megatron_core']}, TransformerEngine {doc['transformer_engine']}",
              f"emulation: {EMULATION}", ""]
     head = (f"{'variant':<20}{'device ms':>26}{'host ms':>26}{'kernels':>8}{'copies':>7}{'syncs':>6}{'d2h':>5}"
             f"{'calls':>6}{'MiB':>7}  label")
@@ -335,6 +341,8 @@ def main():
     ap.add_argument("--points", help="comma-separated point names (default: all)")
     ap.add_argument("--variants", help=f"comma-separated variants to build (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--cpu", action="store_true", help="functional run on the CPU: tiny shapes, numbers meaningless")
+    ap.add_argument("--grad", action="store_true",
+                    help="the eager rows' activations and router weights require grad (a training forward)")
     ap.add_argument("--list", action="store_true", help="print the point names and exit")
     ap.add_argument("--list-groups", action="store_true",
                     help="print the variant groups that run in processes of their own, as VARIANTS:all (every "
@@ -367,7 +375,7 @@ def main():
         megatron = f"megatron-core not usable ({_reason(e)})"
     t0 = time.time()
     wanted = set(args.variants.split(",")) if args.variants else None
-    built = [build_point(p, cuda, megatron, wanted) for p in points]
+    built = [build_point(p, cuda, megatron, wanted, grad=args.grad) for p in points]
     measure(built, args.repeat, args.iters, args.warmup, cuda)
     for _, variants in built:  # after the timing: a profiler that stays attached must not slow it
         characterize(variants, cuda)
@@ -376,7 +384,7 @@ def main():
            "torch": torch.__version__, "megatron_core": getattr(megatron, "version", megatron),
            "transformer_engine": getattr(megatron, "te", None) or getattr(megatron, "te_error", None) or "-",
            "timing": costs.TIMING if cuda else "functional (CPU): wall time per call, calls back to back",
-           "repeat": args.repeat, "iters": args.iters, "warmup": args.warmup,
+           "repeat": args.repeat, "iters": args.iters, "warmup": args.warmup, "grad": args.grad,
            "capacity_factor": CAPACITY_FACTOR, "emulation": EMULATION,
            "points": [dict(res, variants={n: v.record() for n, v in variants.items()},
                            ratios=ratios(variants, args.repeat)) for res, variants in built],
@@ -392,8 +400,9 @@ def merge_runs(paths):
     for path in paths:
         with open(path) as fh:
             docs.append(json.load(fh))
+        docs[-1].setdefault("grad", False)  # parts written before --grad existed
         merged += docs[-1].get("merged", [str(path)])
-    for key in ("repeat", "iters", "warmup", "functional_only"):
+    for key in ("repeat", "iters", "warmup", "functional_only", "grad"):
         if len({json.dumps(d.get(key)) for d in docs}) > 1:
             raise SystemExit(f"bench_dispatch --merge: the parts differ in {key}: {[d.get(key) for d in docs]}")
     source = {}  # (point, variant): the part its row came from

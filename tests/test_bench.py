@@ -421,6 +421,23 @@ def test_bench_dispatch_functional_feeds_the_model(tmp_path):
         in run.stdout
 
 
+def test_bench_dispatch_grad_rows_and_merge_refuses_a_mix(tmp_path):
+    """--grad: the eager rows run a training forward (inputs requiring grad) and say so; --merge
+    refuses parts of which only some ran that way."""
+    parts = [tmp_path / "grad.json", tmp_path / "plain.json"]
+    for part, extra in zip(parts, (["--grad"], [])):
+        text = _benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "1", "--iters", "1", "--warmup",
+                          "0", "--variants", "fp8a2a,fp8a2a_cap,megatron", *extra, "--json", part)
+    grad = json.loads(parts[0].read_text())
+    assert grad["grad"] is True and json.loads(parts[1].read_text())["grad"] is False
+    for name in ("fp8a2a", "fp8a2a_cap"):
+        assert grad["points"][0]["variants"][name]["device_ms"]["median"] > 0, name
+    assert "require grad" not in text  # the plain run (the last) does not claim it
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_dispatch.py"), "--merge", *map(str, parts)],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "differ in grad" in done.stderr
+
+
 def test_bench_dispatch_merges_points_and_variant_groups_run_apart(tmp_path):
     """Variant groups in processes of their own (scripts/gpu_session.sh), then --merge: one document,
     points in order, each row from the run that built it."""
