@@ -61,6 +61,7 @@ VARIANTS = ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pa
 # unusable, and the eager rows should survive it.
 VARIANT_GROUPS = [(["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "fp8a2a_cap"], False),
                   (["megatron_pad_graph", "fp8a2a_cap_graph"], False)]
+EAGER = [n for n in VARIANTS if not n.endswith("_graph")]
 RATIOS = [("fp8a2a", "megatron_fused"), ("fp8a2a", "megatron"), ("fp8a2a_cap", "megatron_pad"),
           ("fp8a2a_cap_graph", "megatron_pad_graph")]
 CAPACITY_FACTOR = 1.0
@@ -400,11 +401,17 @@ def merge_runs(paths):
     for path in paths:
         with open(path) as fh:
             docs.append(json.load(fh))
-        docs[-1].setdefault("grad", False)  # parts written before --grad existed
         merged += docs[-1].get("merged", [str(path)])
-    for key in ("repeat", "iters", "warmup", "functional_only", "grad"):
-        if len({json.dumps(d.get(key)) for d in docs}) > 1:
-            raise SystemExit(f"bench_dispatch --merge: the parts differ in {key}: {[d.get(key) for d in docs]}")
+
+    def grad(d):  # --grad applies to the eager rows only; parts written before it had none
+        eager = any(n in EAGER and v.get("unavailable") != NOT_SELECTED for p in d["points"]
+                    for n, v in p["variants"].items())
+        return d.get("grad", False) if eager else None
+    grads = [grad(d) for d in docs]
+    for key, values in [(k, [d.get(k) for d in docs]) for k in ("repeat", "iters", "warmup", "functional_only")] + \
+            [("grad", grads)]:
+        if len({json.dumps(v) for v in values if not (key == "grad" and v is None)}) > 1:
+            raise SystemExit(f"bench_dispatch --merge: the parts differ in {key}: {values}")
     source = {}  # (point, variant): the part its row came from
     for part, d in enumerate(docs):
         for p in d["points"]:
@@ -422,7 +429,8 @@ def merge_runs(paths):
             apart = source.get((p["name"], num)) != source.get((p["name"], den))
             if f"{num}/{den}" not in p["ratios"] and a and b and apart:
                 p["ratios"][f"{num}/{den} (medians of two processes)"] = costs.spread([a / b])
-    return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=merged)
+    return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=merged,
+                grad=next((g for g in grads if g is not None), False))
 
 
 def write_report(doc, path):

@@ -41,8 +41,9 @@ needs no GPU, Megatron or TE.
 --time-budget SEC: every arm is timed for a few steps first; arms are trained in order (A first)
 while their estimated time fits, the others are listed in summary.json as skipped (run them in
 another session with the same --seed and --steps, then merge). A process with one arm (each --jobs
-process when jobs >= arms) skips the timing and trains until the deadline; a run the deadline cuts is
-marked truncated and left out of the gaps. --device cpu --tiny: the local spec,
+process when jobs >= arms) skips the timing and trains while one more log interval and the final
+evaluation still fit; a run the deadline cuts is marked truncated and left out of the gaps. The --jobs
+processes share the command's deadline. --device cpu --tiny: the local spec,
 no TE and no FP8 recipe (Megatron's alltoall needs CUDA: arm A uses allgather there), tiny sizes; a
 functional smoke only.
 """
@@ -303,7 +304,9 @@ def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=pri
         if done % cfg.log_every == 0 or done == steps:
             tl = float(acc) / n_acc
             t_train += time.perf_counter() - t
+            t_val = time.perf_counter()
             vl = r.val_loss()
+            t_val = time.perf_counter() - t_val
             if not (math.isfinite(tl) and math.isfinite(vl)):
                 raise SystemExit(f"{run}: step {done}: loss {tl} / val {vl}")
             rows.append(dict(run=run, step=done, train_loss=tl, val_loss=vl))
@@ -311,7 +314,10 @@ def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=pri
             log(f"{run:28s} step {done:6d}  train {tl:.4f}  val {vl:.4f}  {1e3 * t_train / done:6.1f} ms/step")
             acc.zero_()
             n_acc = 0
-            if deadline is not None and time.perf_counter() > deadline and done < steps:
+            # stop unless one more interval and the final evaluation on the whole split still fit
+            now = time.perf_counter()
+            final_eval = t_val * data.val_full.shape[0] / max(1, data.val.shape[0])
+            if deadline is not None and now + (now - t) + final_eval > deadline and done < steps:
                 truncated = True
                 log(f"{run}: the time budget ran out at step {done} of {steps}")
                 break
@@ -352,7 +358,9 @@ def run_jobs(a, arms, argv, log):
     """The arms in a.jobs processes at once (one GPU is far from busy with one such model), each
     writing DIR/job<k>; then DIR gets their rows and runs together."""
     groups = [arms[k::a.jobs] for k in range(a.jobs)]
-    base = strip_args(argv, {"--jobs", "--out", "--arms"})
+    base = strip_args(argv, {"--jobs", "--out", "--arms", "--deadline-at"})
+    if a.deadline_at:  # one deadline for all: each job's own clock starts after its imports
+        base += ["--deadline-at", repr(a.deadline_at)]
     procs = []
     for k, g in enumerate(g for g in groups if g):
         d = os.path.join(a.out, f"job{k}")
@@ -405,6 +413,7 @@ def main(argv=None):
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds for this command (0: none): arms whose calibrated time does not fit are skipped")
     p.add_argument("--jobs", type=int, default=1, help="train the arms in this many processes at once")
+    p.add_argument("--deadline-at", type=float, default=0.0, help=argparse.SUPPRESS)  # --jobs: the parent's, epoch s
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke)")
     p.add_argument("--local-spec", action="store_true", help="Megatron's local spec on the GPU too (no TE)")
@@ -434,10 +443,12 @@ def main(argv=None):
         raise SystemExit("--device cuda but CUDA is not available (use --device cpu --tiny)")
     os.makedirs(a.out, exist_ok=True)
     t_start = time.perf_counter()
+    if a.time_budget > 0 and not a.deadline_at:
+        a.deadline_at = time.time() + a.time_budget
     if a.jobs > 1 and len(arms) > 1:
         rows, meta = run_jobs(a, arms, argv, log)
     else:
-        rows, meta = train_seed(a, arms, t_start, log)
+        rows, meta = train_seed(a, arms, log)
     meta["total_wall_s"] = round(time.perf_counter() - t_start, 1)
     text = seed_summary(meta, log)
     write_csv(rows, os.path.join(a.out, "convergence.csv"))
@@ -449,7 +460,7 @@ def main(argv=None):
     return meta
 
 
-def train_seed(a, arms, t_start, log):
+def train_seed(a, arms, log):
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|moe_ffn_hidden_size).*")
     from megatron.core import __version__ as mcore_version
     from fp8a2a.megatron.testing import world_of_one
@@ -476,7 +487,7 @@ def train_seed(a, arms, t_start, log):
     log(f"{sum(v.numel() for v in init.values()) / 1e6:.2f} M parameters")
 
     todo, skipped, calib = arms, [], None
-    deadline = t_start + a.time_budget if a.time_budget > 0 else None
+    deadline = time.perf_counter() + (a.deadline_at - time.time()) if a.deadline_at else None
     # One arm (a --jobs process): nothing to choose, it trains until the deadline. A calibration while
     # the other processes start up overestimates (210 ms/step against 69 in training, seen on the H200).
     if deadline and len(arms) > 1:

@@ -70,6 +70,9 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each seed's arms in processes of their own
   local budget=$((DEADLINE - SECONDS - 60)) pids=() rc=0 seed
   (( budget < 120 )) && { echo "=== convergence: skipped, out of time"; return 1; }
+  local twice  # one output directory per seed: one entry per seed, with all its arms
+  twice=$(printf '%s\n' "${CONV_SEEDS_A[@]%%:*}" | sort | uniq -d | tr '\n' ' ')
+  [[ -n $twice ]] && { echo "=== convergence: seeds ${twice}given twice in CONV_SEEDS"; return 1; }
   echo "=== convergence: seeds ${CONV_SEEDS_A[*]}, ${CONV_STEPS:-3000} steps, time budget $budget s"
   # MPS=1: the processes share the GPU through MPS instead of time slices (not yet tried on the device);
   # a private pipe directory keeps the other steps' processes off it; the EXIT trap stops it

@@ -425,17 +425,22 @@ def test_bench_dispatch_grad_rows_and_merge_refuses_a_mix(tmp_path):
     """--grad: the eager rows run a training forward (inputs requiring grad) and say so; --merge
     refuses parts of which only some ran that way."""
     parts = [tmp_path / "grad.json", tmp_path / "plain.json"]
-    for part, extra in zip(parts, (["--grad"], [])):
-        text = _benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "1", "--iters", "1", "--warmup",
-                          "0", "--variants", "fp8a2a,fp8a2a_cap,megatron", *extra, "--json", part)
+    texts = [_benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "1", "--iters", "1", "--warmup",
+                        "0", "--variants", "fp8a2a,fp8a2a_cap,megatron", *extra, "--json", part)
+             for part, extra in zip(parts, (["--grad"], []))]
+    assert "require grad" in texts[0] and "require grad" not in texts[1]
     grad = json.loads(parts[0].read_text())
     assert grad["grad"] is True and json.loads(parts[1].read_text())["grad"] is False
     for name in ("fp8a2a", "fp8a2a_cap"):
         assert grad["points"][0]["variants"][name]["device_ms"]["median"] > 0, name
-    assert "require grad" not in text  # the plain run (the last) does not claim it
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_dispatch.py"), "--merge", *map(str, parts)],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "differ in grad" in done.stderr
+    graphs = tmp_path / "graphs.json"  # a part of graph rows only goes with either
+    _benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "1", "--iters", "1", "--warmup", "0",
+               "--variants", "fp8a2a_cap_graph", "--json", graphs)
+    _benchmark("bench_dispatch", "--merge", graphs, parts[0], "--json", tmp_path / "m.json")
+    assert json.loads((tmp_path / "m.json").read_text())["grad"] is True  # from the part with eager rows
 
 
 def test_bench_dispatch_merges_points_and_variant_groups_run_apart(tmp_path):

@@ -281,8 +281,16 @@ def test_unpack_rejects_counts_out_of_range():
     rows = int(counts[:, ops.ROWS].sum())
     negative = counts.clone()
     negative[:, ops.ROWS] = torch.tensor([rows + 1, -1])  # rank 0 past the buffer; the total still fits
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(RuntimeError, match=r"rows but \d+ were received \(from rank 0 alone\)"):
         ops.dispatch_unpack(send[:rows], negative, 16, 0, 2, int(counts[:, ops.COUNTS_HEADER:].sum()))
+    negative[:, ops.ROWS] = torch.tensor([-1, rows + 1])
+    with pytest.raises(RuntimeError, match=r"recv_counts\[0, 5\] = -1 is out of range"):
+        ops.dispatch_unpack(send[:rows], negative, 16, 0, 2, int(counts[:, ops.COUNTS_HEADER:].sum()))
+    huge = counts.clone()  # expert counts whose sum wraps around to the right total
+    num_rows = int(counts[:, ops.COUNTS_HEADER:].sum())
+    huge[0, ops.COUNTS_HEADER], huge[1, ops.COUNTS_HEADER] = 2**62, -(2**62) + int(huge[1, ops.COUNTS_HEADER])
+    with pytest.raises(RuntimeError, match=r"expert rows but num_rows is \d+ \(from rank 0 alone\)"):
+        ops.dispatch_unpack(send[:rows], huge, 16, 0, 2, num_rows)
 
 
 def test_empty_batch():

@@ -215,12 +215,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
   const int64_t* cp = counts.data_ptr<int64_t>();
   const bool capacity = expert_capacity > 0;
   // Counts come from other ranks: bound them before they index recv and the outputs (the CUDA
-  // kernel skips out-of-range rows instead, as checking there would need a host sync).
+  // kernel skips out-of-range rows instead, as checking there would need a host sync), each by
+  // the buffer or the output, so that their sums cannot overflow either.
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = kColRows; c < C; ++c)
-      TORCH_CHECK(cp[r * C + c] >= 0 && (c != kColRows || !capacity || cp[r * C + c] <= rank_capacity),
-                  "fp8a2a: recv_counts[", r, ", ", c, "] = ", cp[r * C + c], " is out of range",
-                  c == kColRows && capacity ? " (over rank_capacity)" : "");
+    for (int64_t c = kColRows; c < C; ++c) {
+      const int64_t v = cp[r * C + c];
+      TORCH_CHECK(v >= 0 && (c != kColRows || !capacity || v <= rank_capacity), "fp8a2a: recv_counts[", r, ", ", c,
+                  "] = ", v, " is out of range", c == kColRows && capacity ? " (over rank_capacity)" : "");
+      if (capacity) continue;  // fixed slots; otherwise no count can exceed the totals checked below
+      TORCH_CHECK(c != kColRows || v <= Nr, "fp8a2a: counts announce ", v, " rows but ", Nr,
+                  " were received (from rank ", r, " alone)");
+      TORCH_CHECK(c == kColRows || v <= num_rows, "fp8a2a: counts announce ", v, " expert rows but num_rows is ",
+                  num_rows, " (from rank ", r, " alone)");
+    }
   // Expert-major destination of (source rank r, local expert e): rows of expert e, source ranks in order.
   std::vector<int64_t> base(R * El), row_start(R + 1, 0);
   auto tpe = at::zeros({El}, recv.options().dtype(at::kLong));

@@ -501,10 +501,10 @@ def params_from_args(args) -> Params:
             measure(P)
         except Exception as e:  # noqa: BLE001 - keep the projection with the assumed costs
             P.sources["note"] = f"measurement failed: {e}"
+    if args.kernels_json:  # first: the dispatch JSON's slope is checked against its copy rate
+        from_kernels_json(P, args.kernels_json)
     if args.dispatch_json:
         from_dispatch_json(P, args.dispatch_json)
-    if args.kernels_json:
-        from_kernels_json(P, args.kernels_json)
     if args.alltoall_json:
         from_alltoall_json(P, args.alltoall_json)
     return P
