@@ -146,16 +146,19 @@ def reference_weights(cfg, seed, device):
 
 class Probe:
     """What really ran: the FP8 rows on the wire (fp8a2a's Dispatcher output), what the experts got,
-    and whether TE's FP8 autocast (and which recipe) was on in the attention's first linear."""
+    whether TE's FP8 autocast (and which recipe) was on in the attention's first linear, and the
+    routers' load: tokens per expert, summed on the device between evaluations (no sync)."""
 
     def __init__(self, model):
         from fp8a2a.quant import QuantizedTensor
         self.dispatches = self.fp8_dispatches = 0
         self.experts_input, self.wire = set(), set()
         self.te_fp8 = None
+        self.loads, self.load_trace = {}, []  # per layer [E] token counts; (step, max load / mean) per evaluation
         layers = list(model.decoder.layers)
-        for layer in layers:
+        for i, layer in enumerate(layers):
             mlp = layer.mlp
+            mlp.router.register_forward_hook(lambda m, args, out, i=i: self._count_load(i, m, out))
             inner = getattr(mlp.token_dispatcher, "dispatcher", None)
             if isinstance(inner, fp8a2a.Dispatcher):
                 def dispatch(*args, _orig=inner.dispatch, **kw):
@@ -184,11 +187,23 @@ class Probe:
         except Exception as e:  # noqa: BLE001  (a probe must not stop the run; the summary shows it)
             self.te_fp8 = dict(enabled=None, recipe=None, error=f"{type(e).__name__}: {e}")
 
+    def _count_load(self, layer, router, out):
+        if router.training:
+            counts = out[1].sum(0, dtype=torch.float32)  # routing_map [tokens, experts]
+            self.loads[layer] = counts + self.loads[layer] if layer in self.loads else counts
+
+    def log_load(self, step):
+        """The busiest expert's token count over the mean count, worst layer, since the last call."""
+        if self.loads:
+            worst = max(float(c.max() / c.mean().clamp_min(1e-9)) for c in self.loads.values())
+            self.load_trace.append((step, round(worst, 4)))
+            self.loads = {}
+
     def report(self):
         return dict(fp8_wire=self.dispatches > 0 and self.fp8_dispatches == self.dispatches,
                     fp8_dispatch_fraction=(self.fp8_dispatches / self.dispatches) if self.dispatches else None,
                     wire_granularity=sorted(self.wire), experts_input=sorted(self.experts_input),
-                    te_fp8=self.te_fp8)
+                    te_fp8=self.te_fp8, router_max_load=self.load_trace)
 
 
 class Arm:
@@ -310,6 +325,7 @@ def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=pri
             if not (math.isfinite(tl) and math.isfinite(vl)):
                 raise SystemExit(f"{run}: step {done}: loss {tl} / val {vl}")
             rows.append(dict(run=run, step=done, train_loss=tl, val_loss=vl))
+            r.probe.log_load(done)
             last = (tl, vl)
             log(f"{run:28s} step {done:6d}  train {tl:.4f}  val {vl:.4f}  {1e3 * t_train / done:6.1f} ms/step")
             acc.zero_()

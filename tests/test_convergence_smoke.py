@@ -125,6 +125,8 @@ def test_megatron_arms_smoke(tmp_path):
         assert s["wire_granularity"] == (["row"] if arm == "B" else []), run
         assert s["dispatcher"] == ("fp8_alltoall" if arm == "B" else "allgather")  # alltoall needs CUDA
         assert s["te_fp8"] is None  # no TE here
+        loads = s["router_max_load"]  # (step, busiest expert's tokens / mean) at each evaluation
+        assert [st for st, _ in loads] == [5, 10] and all(v >= 1.0 for _, v in loads), loads
     assert len({round(s["init_checksum"], 6) for s in meta["runs"].values()}) == 1  # one initialization
     assert set(meta["gaps_vs_bf16"]) == {"fp8_row", "bf16_order2"}
 
