@@ -9,8 +9,9 @@ namespace fp8a2a {
 
 // =============================================================================================
 // capacity_drop: an expert keeps its slots in (weight descending, slot) order up to the capacity.
-// One block sorts all slots by (expert, weight, slot): a slot at sorted position i is kept iff
-// i < capacity or the slot at i - capacity has another expert.
+// Up to 4096 slots one block sorts all slots by (expert, weight, slot): a slot at sorted position i
+// is kept iff i < capacity or the slot at i - capacity has another expert. Above, only the experts
+// over capacity can drop: their slots go to buckets, and a radix select per bucket finds the cut.
 // =============================================================================================
 constexpr int kDropThreads = 512;
 
@@ -99,9 +100,9 @@ __global__ void __launch_bounds__(kBucketThreads)
   __shared__ bool s_last;
   __shared__ int s_fill, s_listed;
   __shared__ unsigned long long s_dropped;
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();  // release: the fence and the ticket on one thread, after the block's atomics
     s_last = atomicAdd(blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
     s_fill = 0;
     s_listed = 0;
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kBucketThreads)
       out[s] = v;
       e = static_cast<int64_t>(v);
     }
-    const bool filed = e >= 0 && e < E && cursors[e] >= 0;  // the sign never changes under the atomics
+    const bool filed = e >= 0 && e < E && __ldcg(cursors + e) >= 0;  // the sign never changes under the atomics
     const unsigned active = __ballot_sync(kFull, filed);
     if (filed) {
       const int pos = warp_atomic_inc(cursors + e, static_cast<int>(e), active);
@@ -222,6 +223,8 @@ std::tuple<Tensor, Tensor> capacity_drop_cuda(const Tensor& topk_idx, const Tens
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int64_t n = topk_idx.numel();
+  // the bucket counts and cursors are int, and a key holds the slot in its low 32 bits
+  TORCH_CHECK(n < INT_MAX, "fp8a2a: capacity_drop on CUDA supports fewer than 2^31 slots, got ", n);
   const int E = static_cast<int>(num_experts);
   const int cap = static_cast<int>(std::min<int64_t>(capacity, INT_MAX));
   const int expert_bits = 32 - __builtin_clz(static_cast<unsigned>(E) + 1u);  // E itself (not routed) < all ones

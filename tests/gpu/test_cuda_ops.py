@@ -157,6 +157,33 @@ def test_capacity_drop(t, k, e, cap, weights, idx_dtype):
     exact(a[1], b[1], "dropped")
 
 
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_capacity_drop_graph_replays_new_routings(idx_dtype):
+    """The bucket path captured once, replayed on routings that leave it many buckets, none and one
+    (every slot on one expert): each replay equals the CPU twin, so no state of a replay leaks into
+    the next (the counters and the done-ticket are reset inside the graph)."""
+    t, k, e, cap = 2500, 4, 64, 160  # balanced routing: 156.25 slots per expert, under the capacity
+    g = seeded(capacity_drop_name(t, k, e, cap, "graph", idx_dtype))
+    routings = [capacity_drop_inputs(t, k, e, "skew", g, idx_dtype),
+                (torch.arange(t * k).remainder(e).view(t, k).to(idx_dtype), torch.rand(t, k, generator=g)),
+                capacity_drop_inputs(t, k, e, "one", g, idx_dtype)]
+    sidx, sw = dev(routings[0][0]), dev(routings[0][1])
+    no_sync(ops.capacity_drop, sidx, sw, e, cap)  # warm-up
+    torch.cuda.synchronize(DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, dropped = ops.capacity_drop(sidx, sw, e, cap)
+    for idx, w in routings + routings[:1]:
+        sidx.copy_(dev(idx))
+        sw.copy_(dev(w))
+        graph.replay()
+        want = ops.capacity_drop(idx, w, e, cap)
+        torch.cuda.synchronize(DEVICE)
+        exact(want[0], out, "ids")
+        exact(want[1], dropped, "dropped")
+    assert int(ops.capacity_drop(*routings[1], e, cap)[1]) == 0  # the no-bucket routing really has none
+
+
 # ---- CUDA graphs ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def graph_inputs():
