@@ -21,7 +21,9 @@
 //                     (each token read once, quantized once, written to each destination rank);
 //                     each launched early after the one before (programmatic dependent launch,
 //                     sm_90+): the pack blocks load and quantize their rows while the layout runs.
-//   capacity_drop     1 up to 4096 slots (one block sorts); above: keys, a torch sort, the drop
+//   capacity_drop     1 up to 4096 slots (one block sorts); above: a memset and 3, count (its last
+//                     block lists the over-capacity experts), scatter (their slots into buckets)
+//                     and select (a radix select in each bucket drops the slots past capacity)
 //   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
 //   combine_pack      1
 //   combine_unpack    1

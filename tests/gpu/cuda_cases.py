@@ -390,11 +390,37 @@ COMBINE_CASES = [
 COMBINE_MODES = [(quant, with_w, with_x) for quant in (False, True)
                  for with_w, with_x in ((True, False), (False, True), (False, False))]
 
-# (tokens, k, experts, capacity, ties): one block up to 4096 slots, the sorting path above
-CAPACITY_DROP_CASES = [(0, 8, 256, 4, False), (1, 1, 4, 1, False), (128, 8, 256, 8, False),
-                       (128, 8, 256, 2, True), (512, 8, 32, 100, True), (500, 8, 8, 300, False),
-                       (513, 8, 16, 7, True), (4096, 8, 256, 64, False), (3000, 4, 1000, 3, True),
-                       (16384, 8, 256, 600, True), (20000, 2, 2, 9000, False)]
+# (tokens, k, experts, capacity, weights): one block up to 4096 slots (and few enough experts),
+# buckets and a radix select above. weights: "rand", "ties" (a few values, -0 next to +0), "nan"
+# (NaNs of both signs and payloads, infinities, zeros), "one" (every routed slot on one expert,
+# with ties and NaNs), "skew" (most slots on three experts).
+CAPACITY_DROP_CASES = [(0, 8, 256, 4, "rand"), (1, 1, 4, 1, "rand"), (128, 8, 256, 8, "rand"),
+                       (128, 8, 256, 2, "ties"), (512, 8, 32, 100, "ties"), (500, 8, 8, 300, "rand"),
+                       (513, 8, 16, 7, "ties"), (4096, 8, 256, 64, "rand"), (3000, 4, 1000, 3, "ties"),
+                       (16384, 8, 256, 600, "ties"), (20000, 2, 2, 9000, "rand"),
+                       (4097, 1, 1, 1, "one"), (4099, 3, 8, 1000, "nan"), (5003, 7, 64, 300, "skew"),
+                       (12345, 3, 2048, 4, "ties"), (9001, 5, 256, 1, "nan"), (33333, 1, 3, 11111, "rand"),
+                       (20011, 7, 16, 5000, "one"), (40009, 8, 256, 1, "one"), (100, 8, 1 << 22, 1, "skew")]
+
+
+def capacity_drop_inputs(t, k, e, weights, g, idx_dtype):
+    idx, w = make_routing(t, k, e, g, bad=t > 100, dup=e > 4096, idx_dtype=idx_dtype)
+    if weights == "skew":
+        few = torch.randint(0, min(e, 3), idx.shape, generator=g).to(idx_dtype)
+        idx = torch.where((idx >= 0) & (idx < e) & (torch.rand(idx.shape, generator=g) < 0.8), few, idx)
+    if weights == "one":
+        idx = torch.where((idx >= 0) & (idx < e), e // 2, idx)
+    if weights in ("ties", "one"):  # ties broken by slot order
+        w = (w * 4).round() / 4
+        w[::5] = -0.0
+    if weights in ("nan", "one"):
+        f = w.view(-1)
+        f[::7] = float("nan")
+        f.view(torch.int32)[3::11] = 0x7fc00001
+        f.view(torch.int32)[5::13] = -0x400000  # 0xffc00000: a negative NaN
+        f[6::17], f[8::19], f[10::29] = float("-inf"), float("inf"), 0.0
+        f[9::23] = -f[9::23]
+    return idx, w
 
 
 def combine_name(t, h, k, r, e, dtype, quant, with_w, with_x):
@@ -402,5 +428,5 @@ def combine_name(t, h, k, r, e, dtype, quant, with_w, with_x):
            f"weights={int(with_w)} extra={int(with_x)}"
 
 
-def capacity_drop_name(t, k, e, cap, ties, idx_dtype):
-    return f"capacity_drop t={t} k={k} e={e} cap={cap} ties={ties} {idx_dtype}"
+def capacity_drop_name(t, k, e, cap, weights, idx_dtype):
+    return f"capacity_drop t={t} k={k} e={e} cap={cap} weights={weights} {idx_dtype}"

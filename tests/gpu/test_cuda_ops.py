@@ -12,9 +12,9 @@ import torch
 from fp8a2a import ops
 
 from .cuda_cases import (CAPACITY_DROP_CASES, COMBINE_CASES, COMBINE_MODES, DEVICE, DISPATCH_CASES, HEADER, RAW,
-                         ROWS, any_equal, capacity_drop_name, case_id, combine_name, compare_combine_rows,
-                         dev, dispatch_case, dispatch_layout, dispatch_name, exact, float_equal, fp8_equal,
-                         make_routing, make_x, misaligned, no_sync, quantize_cases, quantize_name, seeded)
+                         ROWS, any_equal, capacity_drop_inputs, capacity_drop_name, case_id, combine_name,
+                         compare_combine_rows, dev, dispatch_case, dispatch_layout, dispatch_name, exact, float_equal,
+                         fp8_equal, make_routing, make_x, misaligned, no_sync, quantize_cases, quantize_name, seeded)
 
 pytestmark = pytest.mark.gpu
 
@@ -146,18 +146,42 @@ def test_combine_skips_out_of_range_positions():
 
 # ---- capacity_drop -----------------------------------------------------------------------------
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
-@pytest.mark.parametrize("t,k,e,cap,ties", CAPACITY_DROP_CASES,
-                         ids=[f"t={t}-k={k}-e={e}-cap={c}-ties={ties}" for t, k, e, c, ties in CAPACITY_DROP_CASES])
-def test_capacity_drop(t, k, e, cap, ties, idx_dtype):
-    g = seeded(capacity_drop_name(t, k, e, cap, ties, idx_dtype))
-    idx, w = make_routing(t, k, e, g, bad=t > 100, idx_dtype=idx_dtype)
-    if ties:  # a few weight values only (and -0 next to +0): ties broken by slot order
-        w = (w * 4).round() / 4
-        w[::5] = -0.0
+@pytest.mark.parametrize("t,k,e,cap,weights", CAPACITY_DROP_CASES,
+                         ids=[f"t={t}-k={k}-e={e}-cap={c}-{wt}" for t, k, e, c, wt in CAPACITY_DROP_CASES])
+def test_capacity_drop(t, k, e, cap, weights, idx_dtype):
+    g = seeded(capacity_drop_name(t, k, e, cap, weights, idx_dtype))
+    idx, w = capacity_drop_inputs(t, k, e, weights, g, idx_dtype)
     a = ops.capacity_drop(idx, w, e, cap)
     b = no_sync(ops.capacity_drop, dev(idx), dev(w), e, cap)
     exact(a[0], b[0], "ids")
     exact(a[1], b[1], "dropped")
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
+def test_capacity_drop_graph_replays_new_routings(idx_dtype):
+    """The bucket path captured once, replayed on routings that leave it many buckets, none and one
+    (every slot on one expert): each replay equals the CPU twin, so no state of a replay leaks into
+    the next (the counters and the done-ticket are reset inside the graph)."""
+    t, k, e, cap = 2500, 4, 64, 160  # balanced routing: 156.25 slots per expert, under the capacity
+    g = seeded(capacity_drop_name(t, k, e, cap, "graph", idx_dtype))
+    routings = [capacity_drop_inputs(t, k, e, "skew", g, idx_dtype),
+                (torch.arange(t * k).remainder(e).view(t, k).to(idx_dtype), torch.rand(t, k, generator=g)),
+                capacity_drop_inputs(t, k, e, "one", g, idx_dtype)]
+    sidx, sw = dev(routings[0][0]), dev(routings[0][1])
+    no_sync(ops.capacity_drop, sidx, sw, e, cap)  # warm-up
+    torch.cuda.synchronize(DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, dropped = ops.capacity_drop(sidx, sw, e, cap)
+    for idx, w in routings + routings[:1]:
+        sidx.copy_(dev(idx))
+        sw.copy_(dev(w))
+        graph.replay()
+        want = ops.capacity_drop(idx, w, e, cap)
+        torch.cuda.synchronize(DEVICE)
+        exact(want[0], out, "ids")
+        exact(want[1], dropped, "dropped")
+    assert int(ops.capacity_drop(*routings[1], e, cap)[1]) == 0  # the no-bucket routing really has none
 
 
 # ---- CUDA graphs ------------------------------------------------------------------------------
@@ -168,6 +192,7 @@ def graph_inputs():
     x = make_x(2500, 2048, torch.bfloat16, g).to(DEVICE)
     idx, w = make_routing(2500, 8, 256, g, bad=True)
     i = dict(x=x, idx=idx.to(DEVICE), w=w.to(DEVICE), ts=torch.tensor(0.25, device=DEVICE))
+    i["one"] = torch.where((i["idx"] >= 0) & (i["idx"] < 256), 5, i["idx"])  # capacity_drop's single huge bucket
     i["q"], i["s"] = ops.quantize(x, 0, None)
     send, counts, i["send_pos"] = ops.dispatch_pack(x, i["idx"], i["w"], 256, 1, 0, None)
     rows, i["n"] = int(counts[:, ROWS].sum()), int(counts[:, HEADER:].sum())
@@ -198,7 +223,8 @@ GRAPHS = {
     "combine_pack quantized": lambda i: ops.combine_pack(i["eo"], i["slot_pos"], i["wts"], None, True),
     "combine_unpack": lambda i: ops.combine_unpack(i["buf"], i["send_pos"], 2048, torch.bfloat16, False, 8),
     "capacity_drop (one block)": lambda i: ops.capacity_drop(i["idx"][:300], i["w"][:300], 256, 4),
-    "capacity_drop (sort)": lambda i: ops.capacity_drop(i["idx"], i["w"], 256, 40),
+    "capacity_drop (buckets)": lambda i: ops.capacity_drop(i["idx"], i["w"], 256, 40),
+    "capacity_drop (buckets, one expert)": lambda i: ops.capacity_drop(i["one"], i["w"], 256, 40),
 }
 
 
