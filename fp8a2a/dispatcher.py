@@ -82,6 +82,19 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+# Every tensor op called from Python is a host-side dispatch (and a launch on the GPU), even when it
+# returns its input unchanged: the helpers below call one only when it changes something.
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
+
+
+def _float32_weights(t: torch.Tensor) -> torch.Tensor:
+    """Router weights as the ops take them: float32, contiguous, without autograd history."""
+    t = _detached(t)
+    return (t if t.dtype == torch.float32 else t.float()).contiguous()
+
+
 @dataclass(frozen=True)
 class _Route:
     """One dispatch's routing as the kernels take it: after the capacity drop and the expert-TP
@@ -257,10 +270,13 @@ class Dispatcher:
     # ---- the two collectives -------------------------------------------------------------
 
     def _exchange(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
+        sent = send_splits[0] if self.local else sum(send_splits)
+        if sent != send.shape[0]:  # the pack allocates for the worst case
+            send = send[:sent]
         if self.local:
-            return send[: send_splits[0]]
+            return send
         recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
-        dist.all_to_all_single(recv, send[: sum(send_splits)], recv_splits, send_splits, group=self.group)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
         return recv
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -283,14 +299,14 @@ class Dispatcher:
                 t, k = topk_idx.shape
                 c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
                 # per expert, the c slots of this rank with the largest router weight stay (one kernel)
-                topk_idx, dropped = ops.capacity_drop(topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
+                topk_idx, dropped = ops.capacity_drop(topk_idx.contiguous(), _float32_weights(topk_weights),
                                                       self.num_experts, c)
                 # at least one row per rank segment: T = 0 still gets a (padding-only) static layout
                 capacity = dict(expert_capacity=c, rank_capacity=max(1, min(t, self.num_local_experts * c)),
                                 dropped=dropped)
             if self.tp > 1:
                 topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
-            route = _Route(topk_idx.contiguous(), topk_weights.detach().float().contiguous(), **capacity)
+            route = _Route(topk_idx.contiguous(), _float32_weights(topk_weights), **capacity)
         except Exception:
             self._fail_peers(reduced=False)
             raise
@@ -318,7 +334,9 @@ class Dispatcher:
             handle.dispatcher._poison_combine(handle)
             raise error
         weights = handle.weights if apply_weights else None
-        return _CombineFn.apply(expert_out.to(handle.dtype), weights, handle)
+        if expert_out.dtype != handle.dtype:
+            expert_out = expert_out.to(handle.dtype)
+        return _CombineFn.apply(expert_out, weights, handle)
 
     # ---- pieces used by the autograd functions ---------------------------------------------
 
@@ -413,14 +431,14 @@ class Dispatcher:
 
     def _pack(self, x, route: _Route, wire, tensor_scale=None):
         # raw: the op sends x's own bytes and writes its dtype in the header, as for every wire
-        return ops.dispatch_pack(x.detach().contiguous(), route.topk_idx, route.topk_weights,
+        return ops.dispatch_pack(_detached(x).contiguous(), route.topk_idx, route.topk_weights,
                                  self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
 
     def _unpack(self, recv, route: _Route, wire, recv_counts, hidden, dtype, num_rows):
         """dispatch_unpack of `num_rows` expert-major rows; a raw (unquantized) wire's rows come back
         viewed as [N, hidden] `dtype`."""
         raw = wire == Granularity.RAW
-        out = ops.dispatch_unpack(recv, recv_counts.to(recv.device), hidden * dtype.itemsize if raw else hidden, wire,
+        out = ops.dispatch_unpack(recv, recv_counts, hidden * dtype.itemsize if raw else hidden, wire,
                                   route.topk_idx.shape[1], num_rows, route.rank_capacity, route.expert_capacity)
         return (out[0].view(dtype),) + tuple(out[1:]) if raw else out
 
@@ -440,8 +458,9 @@ class Dispatcher:
         recv_counts = self._exchange_counts(counts)
         if capacity:
             return self._forward_static(x, route, scale, send, counts, send_pos, recv_counts)
-        # The one host sync of a dispatch: what we send and what we receive, in one copy.
-        host = (counts if self.local else torch.cat([counts, recv_counts])).cpu().tolist()
+        # The one host sync of a dispatch: what we send and what we receive, in one copy (tolist
+        # copies a device tensor to the host itself).
+        host = (counts if self.local else torch.cat([counts, recv_counts])).tolist()
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
@@ -574,7 +593,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, weights, handle):
         d = handle.dispatcher
-        buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else weights.detach(),
+        buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else _detached(weights),
                                None, d.fp8_combine)
         back = d._exchange(buf, handle.recv_splits, handle.send_splits)
         y, _ = ops.combine_unpack(back, handle.send_pos, handle.hidden, handle.dtype, d.fp8_combine, 0)
