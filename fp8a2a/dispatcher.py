@@ -310,7 +310,15 @@ class Dispatcher:
         except Exception:
             self._fail_peers(reduced=False)
             raise
-        rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
+        # The autograd Function runs its forward without grad mode: without it, so must every input
+        # (the tensor scale included), or an output could carry a history the Function's would not.
+        scale_needs_grad = self.tensor_scale is not None and self.tensor_scale.requires_grad
+        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or scale_needs_grad):
+            rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
+            anchor = rows if rows.requires_grad else None
+        else:  # nothing to differentiate: skip the Function's bookkeeping, a host cost on every call
+            data, scale, weights, tpe, layout = self._forward(x, route)
+            rows, anchor = data, None
         # the handle callers get carries the weights; what the backward keeps does not (a cycle)
         handle = DispatchHandle(**layout, weights=weights)
         if handle.wire == Granularity.RAW:
@@ -318,7 +326,7 @@ class Dispatcher:
         else:
             if self.code == Granularity.TENSOR:
                 scale = handle.tensor_scale
-            tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=rows if rows.requires_grad else None)
+            tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=anchor)
         return DispatchOutput(tokens, tpe, weights, handle)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, apply_weights: bool = True) -> torch.Tensor:
@@ -336,7 +344,9 @@ class Dispatcher:
         weights = handle.weights if apply_weights else None
         if expert_out.dtype != handle.dtype:
             expert_out = expert_out.to(handle.dtype)
-        return _CombineFn.apply(expert_out, weights, handle)
+        if torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad)):
+            return _CombineFn.apply(expert_out, weights, handle)
+        return _combine_rows(expert_out, weights, handle)  # nothing to differentiate: no Function
 
     # ---- pieces used by the autograd functions ---------------------------------------------
 
@@ -589,14 +599,19 @@ class _DispatchFn(torch.autograd.Function):
         return gx, (gw if want_w else None), None, None
 
 
+def _combine_rows(expert_out, weights, handle):
+    """Combine's forward: pack (weighted unless weights is None), exchange, sum per token."""
+    d = handle.dispatcher
+    buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else _detached(weights),
+                           None, d.fp8_combine)
+    back = d._exchange(buf, handle.recv_splits, handle.send_splits)
+    return ops.combine_unpack(back, handle.send_pos, handle.hidden, handle.dtype, d.fp8_combine, 0)[0]
+
+
 class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, weights, handle):
-        d = handle.dispatcher
-        buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else _detached(weights),
-                               None, d.fp8_combine)
-        back = d._exchange(buf, handle.recv_splits, handle.send_splits)
-        y, _ = ops.combine_unpack(back, handle.send_pos, handle.hidden, handle.dtype, d.fp8_combine, 0)
+        y = _combine_rows(expert_out, weights, handle)
         ctx.handle = handle
         ctx.save_for_backward(expert_out if weights is not None else None, weights)
         return y
