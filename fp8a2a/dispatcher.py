@@ -10,7 +10,7 @@ backward is a dispatch of dy (FP8 by default) over the cached layout, with no co
 """
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import List, Optional, Union
 
 import torch
@@ -69,6 +69,12 @@ def _show_float32_scale(bits: int):
         return None if bits == -1 else "invalid"
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
+
+# The counts header's columns as plain ints for the per-call reads (an enum member lookup is a
+# Python attribute access each time).
+_TOPK, _BAD_IDS, _WIRE, _ROWS, _EXPERTS = (int(c) for c in (CountsCol.TOPK, CountsCol.BAD_IDS, CountsCol.WIRE,
+                                                            CountsCol.ROWS, CountsCol.EXPERTS))
+_HIDDEN = int(CountsCol.HIDDEN)
 
 # The options _check_agreement compares (name, how to print a rank's value), in the order of
 # Dispatcher._agreed_options.
@@ -137,6 +143,23 @@ class DispatchHandle(_Route):
             d = self.dispatcher
             return [d.world * self.expert_capacity] * d.num_local_experts
         return [sum(col) for col in zip(*(row[CountsCol.EXPERTS:] for row in self.recv_counts_host))]
+
+
+_HANDLE_DEFAULTS = {f.name: f.default for f in fields(DispatchHandle) if f.default is not MISSING}
+_HANDLE_FACTORIES = [(f.name, f.default_factory) for f in fields(DispatchHandle) if f.default_factory is not MISSING]
+
+
+def _new_handle(values: dict) -> DispatchHandle:
+    """DispatchHandle(**values) in one dict update: a frozen dataclass's __init__ sets each of its many
+    fields through object.__setattr__, on every dispatch."""
+    state = dict(_HANDLE_DEFAULTS)
+    state.update(values)
+    for name, factory in _HANDLE_FACTORIES:
+        if name not in values:
+            state[name] = factory()
+    handle = object.__new__(DispatchHandle)
+    handle.__dict__.update(state)
+    return handle
 
 
 @dataclass
@@ -320,7 +343,7 @@ class Dispatcher:
             data, scale, weights, tpe, layout = self._forward(x, route)
             rows, anchor = data, None
         # the handle callers get carries the weights; what the backward keeps does not (a cycle)
-        handle = DispatchHandle(**layout, weights=weights)
+        handle = _new_handle(dict(layout, weights=weights))
         if handle.wire == Granularity.RAW:
             tokens = rows
         else:
@@ -475,9 +498,9 @@ class Dispatcher:
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
             send, counts, send_pos = self._pack(x, route, wire, packed_scale)
-        send_splits = [row[CountsCol.ROWS] for row in mine]
-        recv_splits = [row[CountsCol.ROWS] for row in theirs]
-        num_rows = sum(sum(row[CountsCol.EXPERTS:]) for row in theirs)
+        send_splits = [row[_ROWS] for row in mine]
+        recv_splits = [row[_ROWS] for row in theirs]
+        num_rows = sum(sum(row[_EXPERTS:]) for row in theirs)
         recv = self._exchange(send, send_splits, recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, route, wire, recv_counts, x.shape[1], x.dtype,
                                                                    num_rows)
@@ -515,6 +538,14 @@ class Dispatcher:
         headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
         (the size policy is local). Out-of-range expert ids raise unless not `raise_on_bad_ids`
         (capacity mode, which counts them)."""
+        # The common case first: every rank sent the same header, valid and without bad ids, and
+        # its hidden size is this rank's. Anything else takes the full checks below, which name
+        # what differs.
+        head = headers[0][:_ROWS]
+        if head[_BAD_IDS] == 0 and all(row[:_ROWS] == head for row in headers[1:]):
+            raw = head[_WIRE] == Granularity.RAW
+            if (head[_HIDDEN] // elem if raw else head[_HIDDEN]) == hidden:
+                return Granularity.RAW if raw else self.code
         failed = [r for r, row in enumerate(headers) if row[CountsCol.BAD_IDS] < 0]  # REJECTED
         if failed:
             raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
