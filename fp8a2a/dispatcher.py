@@ -15,6 +15,7 @@ from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.autograd import forward_ad
 
 from . import ops
 from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_rule, tensor_amax
@@ -86,6 +87,14 @@ _AGREED_OPTIONS = (("num_experts", int), ("granularity", lambda c: Granularity(c
 def _tracing() -> bool:
     """Under torch.compile (or export) tracing: there meta and fake tensors are the normal case."""
     return torch.compiler.is_compiling()
+
+
+def _forward_ad_active() -> bool:
+    """A forward-AD level is entered (forward_ad.dual_level, torch.func.jvp). Dual tensors do not
+    require grad, so while one is, dispatch and combine keep their autograd Functions: those raise
+    for want of a jvp instead of dropping the tangents. The module global that dynamo's own
+    dual-level guard reads; -1 outside any level."""
+    return forward_ad._current_level >= 0
 
 
 # Every tensor op called from Python is a host-side dispatch (and a launch on the GPU), even when it
@@ -336,7 +345,8 @@ class Dispatcher:
         # The autograd Function runs its forward without grad mode: without it, so must every input
         # (the tensor scale included), or an output could carry a history the Function's would not.
         scale_needs_grad = self.tensor_scale is not None and self.tensor_scale.requires_grad
-        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or scale_needs_grad):
+        if (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or scale_needs_grad)
+                or _forward_ad_active()):
             rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
             anchor = rows if rows.requires_grad else None
         else:  # nothing to differentiate: skip the Function's bookkeeping, a host cost on every call
@@ -367,7 +377,8 @@ class Dispatcher:
         weights = handle.weights if apply_weights else None
         if expert_out.dtype != handle.dtype:
             expert_out = expert_out.to(handle.dtype)
-        if torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad)):
+        if (torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad))
+                or _forward_ad_active()):
             return _CombineFn.apply(expert_out, weights, handle)
         return _combine_rows(expert_out, weights, handle)  # nothing to differentiate: no Function
 
