@@ -73,9 +73,8 @@ def _show_float32_scale(bits: int):
 
 # The counts header's columns as plain ints for the per-call reads (an enum member lookup is a
 # Python attribute access each time).
-_TOPK, _BAD_IDS, _WIRE, _ROWS, _EXPERTS = (int(c) for c in (CountsCol.TOPK, CountsCol.BAD_IDS, CountsCol.WIRE,
-                                                            CountsCol.ROWS, CountsCol.EXPERTS))
-_HIDDEN = int(CountsCol.HIDDEN)
+_HIDDEN, _BAD_IDS, _WIRE, _ROWS, _EXPERTS = (int(c) for c in (CountsCol.HIDDEN, CountsCol.BAD_IDS, CountsCol.WIRE,
+                                                              CountsCol.ROWS, CountsCol.EXPERTS))
 
 # The options _check_agreement compares (name, how to print a rank's value), in the order of
 # Dispatcher._agreed_options.
@@ -116,6 +115,7 @@ class _Route:
     replication (K' = K * expert_tp_size slots)."""
     topk_idx: torch.Tensor  # [T, K'] contiguous
     topk_weights: torch.Tensor  # [T, K'] float32, detached (only its layout is reused)
+    # (route.topk_weights, handle.topk_weights: may be the caller's tensor itself, not a copy)
     rank_capacity: int = 0  # capacity mode: rows per destination rank segment (0: compact)
     expert_capacity: int = 0  # capacity mode: rows per (source rank, local expert)
     dropped: Optional[torch.Tensor] = None  # capacity mode: slots dropped on this rank (device)
