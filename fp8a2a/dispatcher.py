@@ -10,11 +10,12 @@ backward is a dispatch of dy (FP8 by default) over the cached layout, with no co
 """
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.autograd import forward_ad
 
 from . import ops
 from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_rule, tensor_amax
@@ -70,6 +71,11 @@ def _show_float32_scale(bits: int):
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
+# The counts header's columns as plain ints for the per-call reads (an enum member lookup is a
+# Python attribute access each time).
+_HIDDEN, _BAD_IDS, _WIRE, _ROWS, _EXPERTS = (int(c) for c in (CountsCol.HIDDEN, CountsCol.BAD_IDS, CountsCol.WIRE,
+                                                              CountsCol.ROWS, CountsCol.EXPERTS))
+
 # The options _check_agreement compares (name, how to print a rank's value), in the order of
 # Dispatcher._agreed_options.
 _AGREED_OPTIONS = (("num_experts", int), ("granularity", lambda c: Granularity(c).label), ("expert_tp_size", int),
@@ -82,12 +88,34 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
+def _forward_ad_active() -> bool:
+    """A forward-AD level is entered (forward_ad.dual_level, torch.func.jvp). Dual tensors do not
+    require grad, so while one is, dispatch and combine keep their autograd Functions: those raise
+    for want of a jvp instead of dropping the tangents. The module global that dynamo's own
+    dual-level guard reads; -1 outside any level."""
+    return forward_ad._current_level >= 0
+
+
+# Every tensor op called from Python is a host-side dispatch (and a launch on the GPU), even when it
+# returns its input unchanged: the helpers below call one only when it changes something.
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
+
+
+def _float32_weights(t: torch.Tensor) -> torch.Tensor:
+    """Router weights as the ops take them: float32, contiguous, without autograd history."""
+    t = _detached(t)
+    return (t if t.dtype == torch.float32 else t.float()).contiguous()
+
+
 @dataclass(frozen=True)
 class _Route:
     """One dispatch's routing as the kernels take it: after the capacity drop and the expert-TP
     replication (K' = K * expert_tp_size slots)."""
     topk_idx: torch.Tensor  # [T, K'] contiguous
     topk_weights: torch.Tensor  # [T, K'] float32, detached (only its layout is reused)
+    # (route.topk_weights, handle.topk_weights: may be the caller's tensor itself, not a copy)
     rank_capacity: int = 0  # capacity mode: rows per destination rank segment (0: compact)
     expert_capacity: int = 0  # capacity mode: rows per (source rank, local expert)
     dropped: Optional[torch.Tensor] = None  # capacity mode: slots dropped on this rank (device)
@@ -124,6 +152,23 @@ class DispatchHandle(_Route):
             d = self.dispatcher
             return [d.world * self.expert_capacity] * d.num_local_experts
         return [sum(col) for col in zip(*(row[CountsCol.EXPERTS:] for row in self.recv_counts_host))]
+
+
+_HANDLE_DEFAULTS = {f.name: f.default for f in fields(DispatchHandle) if f.default is not MISSING}
+_HANDLE_FACTORIES = [(f.name, f.default_factory) for f in fields(DispatchHandle) if f.default_factory is not MISSING]
+
+
+def _new_handle(values: dict) -> DispatchHandle:
+    """DispatchHandle(**values) in one dict update: a frozen dataclass's __init__ sets each of its many
+    fields through object.__setattr__, on every dispatch."""
+    state = dict(_HANDLE_DEFAULTS)
+    state.update(values)
+    for name, factory in _HANDLE_FACTORIES:
+        if name not in values:
+            state[name] = factory()
+    handle = object.__new__(DispatchHandle)
+    handle.__dict__.update(state)
+    return handle
 
 
 @dataclass
@@ -257,10 +302,13 @@ class Dispatcher:
     # ---- the two collectives -------------------------------------------------------------
 
     def _exchange(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
+        sent = send_splits[0] if self.local else sum(send_splits)
+        if sent != send.shape[0]:  # the pack allocates for the worst case
+            send = send[:sent]
         if self.local:
-            return send[: send_splits[0]]
+            return send
         recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
-        dist.all_to_all_single(recv, send[: sum(send_splits)], recv_splits, send_splits, group=self.group)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
         return recv
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -283,26 +331,35 @@ class Dispatcher:
                 t, k = topk_idx.shape
                 c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
                 # per expert, the c slots of this rank with the largest router weight stay (one kernel)
-                topk_idx, dropped = ops.capacity_drop(topk_idx.contiguous(), topk_weights.detach().float().contiguous(),
+                topk_idx, dropped = ops.capacity_drop(topk_idx.contiguous(), _float32_weights(topk_weights),
                                                       self.num_experts, c)
                 # at least one row per rank segment: T = 0 still gets a (padding-only) static layout
                 capacity = dict(expert_capacity=c, rank_capacity=max(1, min(t, self.num_local_experts * c)),
                                 dropped=dropped)
             if self.tp > 1:
                 topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
-            route = _Route(topk_idx.contiguous(), topk_weights.detach().float().contiguous(), **capacity)
+            route = _Route(topk_idx.contiguous(), _float32_weights(topk_weights), **capacity)
         except Exception:
             self._fail_peers(reduced=False)
             raise
-        rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
+        # The autograd Function runs its forward without grad mode: without it, so must every input
+        # (the tensor scale included), or an output could carry a history the Function's would not.
+        scale_needs_grad = self.tensor_scale is not None and self.tensor_scale.requires_grad
+        if (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or scale_needs_grad)
+                or _forward_ad_active()):
+            rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
+            anchor = rows if rows.requires_grad else None
+        else:  # nothing to differentiate: skip the Function's bookkeeping, a host cost on every call
+            data, scale, weights, tpe, layout = self._forward(x, route)
+            rows, anchor = data, None
         # the handle callers get carries the weights; what the backward keeps does not (a cycle)
-        handle = DispatchHandle(**layout, weights=weights)
+        handle = _new_handle(dict(layout, weights=weights))
         if handle.wire == Granularity.RAW:
             tokens = rows
         else:
             if self.code == Granularity.TENSOR:
                 scale = handle.tensor_scale
-            tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=rows if rows.requires_grad else None)
+            tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=anchor)
         return DispatchOutput(tokens, tpe, weights, handle)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, apply_weights: bool = True) -> torch.Tensor:
@@ -318,7 +375,12 @@ class Dispatcher:
             handle.dispatcher._poison_combine(handle)
             raise error
         weights = handle.weights if apply_weights else None
-        return _CombineFn.apply(expert_out.to(handle.dtype), weights, handle)
+        if expert_out.dtype != handle.dtype:
+            expert_out = expert_out.to(handle.dtype)
+        if (torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad))
+                or _forward_ad_active()):
+            return _CombineFn.apply(expert_out, weights, handle)
+        return _combine_rows(expert_out, weights, handle)  # nothing to differentiate: no Function
 
     # ---- pieces used by the autograd functions ---------------------------------------------
 
@@ -413,14 +475,14 @@ class Dispatcher:
 
     def _pack(self, x, route: _Route, wire, tensor_scale=None):
         # raw: the op sends x's own bytes and writes its dtype in the header, as for every wire
-        return ops.dispatch_pack(x.detach().contiguous(), route.topk_idx, route.topk_weights,
+        return ops.dispatch_pack(_detached(x).contiguous(), route.topk_idx, route.topk_weights,
                                  self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
 
     def _unpack(self, recv, route: _Route, wire, recv_counts, hidden, dtype, num_rows):
         """dispatch_unpack of `num_rows` expert-major rows; a raw (unquantized) wire's rows come back
         viewed as [N, hidden] `dtype`."""
         raw = wire == Granularity.RAW
-        out = ops.dispatch_unpack(recv, recv_counts.to(recv.device), hidden * dtype.itemsize if raw else hidden, wire,
+        out = ops.dispatch_unpack(recv, recv_counts, hidden * dtype.itemsize if raw else hidden, wire,
                                   route.topk_idx.shape[1], num_rows, route.rank_capacity, route.expert_capacity)
         return (out[0].view(dtype),) + tuple(out[1:]) if raw else out
 
@@ -440,15 +502,16 @@ class Dispatcher:
         recv_counts = self._exchange_counts(counts)
         if capacity:
             return self._forward_static(x, route, scale, send, counts, send_pos, recv_counts)
-        # The one host sync of a dispatch: what we send and what we receive, in one copy.
-        host = (counts if self.local else torch.cat([counts, recv_counts])).cpu().tolist()
+        # The one host sync of a dispatch: what we send and what we receive, in one copy (tolist
+        # copies a device tensor to the host itself).
+        host = (counts if self.local else torch.cat([counts, recv_counts])).tolist()
         mine, theirs = host[: self.world], host[-self.world:]
         wire = self._agree_on_wire(theirs, x.shape[1], elem)
         if wire != local:  # this rank was under the size threshold but others were not
             send, counts, send_pos = self._pack(x, route, wire, packed_scale)
-        send_splits = [row[CountsCol.ROWS] for row in mine]
-        recv_splits = [row[CountsCol.ROWS] for row in theirs]
-        num_rows = sum(sum(row[CountsCol.EXPERTS:]) for row in theirs)
+        send_splits = [row[_ROWS] for row in mine]
+        recv_splits = [row[_ROWS] for row in theirs]
+        num_rows = sum(sum(row[_EXPERTS:]) for row in theirs)
         recv = self._exchange(send, send_splits, recv_splits)
         data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, route, wire, recv_counts, x.shape[1], x.dtype,
                                                                    num_rows)
@@ -486,6 +549,14 @@ class Dispatcher:
         headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
         (the size policy is local). Out-of-range expert ids raise unless not `raise_on_bad_ids`
         (capacity mode, which counts them)."""
+        # The common case first: every rank sent the same header, valid and without bad ids, and
+        # its hidden size is this rank's. Anything else takes the full checks below, which name
+        # what differs.
+        head = headers[0][:_ROWS]
+        if head[_BAD_IDS] == 0 and all(row[:_ROWS] == head for row in headers[1:]):
+            raw = head[_WIRE] == Granularity.RAW
+            if (head[_HIDDEN] // elem if raw else head[_HIDDEN]) == hidden:
+                return Granularity.RAW if raw else self.code
         failed = [r for r, row in enumerate(headers) if row[CountsCol.BAD_IDS] < 0]  # REJECTED
         if failed:
             raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
@@ -570,14 +641,19 @@ class _DispatchFn(torch.autograd.Function):
         return gx, (gw if want_w else None), None, None
 
 
+def _combine_rows(expert_out, weights, handle):
+    """Combine's forward: pack (weighted unless weights is None), exchange, sum per token."""
+    d = handle.dispatcher
+    buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else _detached(weights),
+                           None, d.fp8_combine)
+    back = d._exchange(buf, handle.recv_splits, handle.send_splits)
+    return ops.combine_unpack(back, handle.send_pos, handle.hidden, handle.dtype, d.fp8_combine, 0)[0]
+
+
 class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, weights, handle):
-        d = handle.dispatcher
-        buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else weights.detach(),
-                               None, d.fp8_combine)
-        back = d._exchange(buf, handle.recv_splits, handle.send_splits)
-        y, _ = ops.combine_unpack(back, handle.send_pos, handle.hidden, handle.dtype, d.fp8_combine, 0)
+        y = _combine_rows(expert_out, weights, handle)
         ctx.handle = handle
         ctx.save_for_backward(expert_out if weights is not None else None, weights)
         return y
