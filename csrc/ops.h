@@ -140,6 +140,26 @@ inline void check_tensor_scale(const std::optional<Tensor>& scale, const Tensor&
   check_same_device(x, *scale, "scale");
 }
 
+// quantize: x, its granularity and, for 'tensor', the scale if given (none: from x's amax).
+inline void check_quantize(const Tensor& x, int64_t granularity, const std::optional<Tensor>& scale) {
+  check_activation(x, "x");
+  check_granularity(granularity, x.size(1));
+  TORCH_CHECK(granularity != kRaw, "fp8a2a: quantize takes granularity row, block128 or tensor");
+  if (granularity == kTensor && scale.has_value()) check_tensor_scale(scale, x);
+}
+
+// dispatch_pack: checks the inputs, returns the activation as the kernels take it (pack_input).
+inline Tensor check_dispatch_pack(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
+                                  int64_t num_experts, int64_t num_ranks, int64_t granularity,
+                                  const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
+  const Tensor x = pack_input(x_in, granularity);
+  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
+  check_granularity(granularity, x.size(1));
+  if (granularity == kTensor) check_tensor_scale(tensor_scale, x, /*with_multiplier=*/true);
+  TORCH_CHECK(rank_capacity >= 0, "fp8a2a: rank_capacity must be >= 0, got ", rank_capacity);
+  return x;
+}
+
 // dequantize: checks data and scale, returns the elements per scale (0: one scale for the tensor).
 inline int64_t check_dequantize(const Tensor& data, const Tensor& scale, at::ScalarType dtype) {
   TORCH_CHECK(data.dim() == 2 && data.scalar_type() == at::kFloat8_e4m3fn && data.is_contiguous(),

@@ -61,10 +61,8 @@ void accumulate_fp8_row(float* acc, const uint8_t* row, int64_t hidden, float sc
 }  // namespace
 
 std::tuple<Tensor, Tensor> quantize_cpu(const Tensor& x, int64_t granularity, const std::optional<Tensor>& scale) {
-  check_activation(x, "x");
+  check_quantize(x, granularity, scale);
   const int64_t T = x.size(0), H = x.size(1);
-  check_granularity(granularity, H);
-  TORCH_CHECK(granularity != kRaw, "fp8a2a: quantize takes granularity row, block128 or tensor");
   std::optional<Tensor> s = scale;
   float tq = 0.0f, ts = 0.0f;
   if (granularity == kTensor) {
@@ -76,7 +74,6 @@ std::tuple<Tensor, Tensor> quantize_cpu(const Tensor& x, int64_t granularity, co
       ts = dequant_scale(m);
       s = at::full({}, ts, x.options().dtype(at::kFloat));
     } else {
-      check_tensor_scale(s, x);
       std::tie(tq, ts) = tensor_scales(granularity, s);
     }
   }
@@ -118,12 +115,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x_in, const T
                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
   const int64_t dtype = act_dtype_code(x_in);
-  const Tensor x = pack_input(x_in, granularity);
-  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
+  const Tensor x = check_dispatch_pack(x_in, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale,
+                                       rank_capacity);
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
-  check_granularity(granularity, H);
-  if (granularity == kTensor) check_tensor_scale(tensor_scale, x, /*with_multiplier=*/true);
-  TORCH_CHECK(rank_capacity >= 0, "fp8a2a: rank_capacity must be >= 0, got ", rank_capacity);
   const DispatchRow L(H, granularity, K);
   const auto idx = topk_idx.to(at::kLong);
   const int64_t* ip = idx.data_ptr<int64_t>();

@@ -397,12 +397,9 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x_in, const 
                                                       int64_t num_experts, int64_t num_ranks, int64_t granularity,
                                                       const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
   const int64_t dtype = act_dtype_code(x_in);
-  const Tensor x = pack_input(x_in, granularity);
-  check_routing(x, topk_idx, topk_weights, num_experts, num_ranks, granularity);
+  const Tensor x = check_dispatch_pack(x_in, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale,
+                                       rank_capacity);
   const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
-  check_granularity(granularity, H);
-  if (granularity == kTensor) check_tensor_scale(tensor_scale, x, /*with_multiplier=*/true);
-  TORCH_CHECK(rank_capacity >= 0, "fp8a2a: rank_capacity must be >= 0, got ", rank_capacity);
   const DispatchRow L(H, granularity, K);
   const int64_t TK = T * K;
   const int64_t cols = num_experts + R + 1;  // per-expert slots, per-rank rows, bad ids

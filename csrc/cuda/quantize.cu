@@ -194,11 +194,8 @@ __global__ void dequantize_scalar_kernel(const uint8_t* in, const float* scale, 
 }  // namespace
 
 std::tuple<Tensor, Tensor> quantize_cuda(const Tensor& x, int64_t granularity, const std::optional<Tensor>& scale) {
-  check_activation(x, "x");
+  check_quantize(x, granularity, scale);
   const int64_t T = x.size(0), H = x.size(1);
-  check_granularity(granularity, H);
-  TORCH_CHECK(granularity != kRaw, "fp8a2a: quantize takes granularity row, block128 or tensor");
-  if (granularity == kTensor && scale.has_value()) check_tensor_scale(scale, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto fopts = x.options().dtype(at::kFloat);
