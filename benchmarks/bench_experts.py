@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import fp8a2a
 from fp8a2a import experts
 from fp8a2a.experts import FP8GroupedMLP, fp8_weight, resolve_backend
+from fp8a2a.weight_cache import invalidate_fp8_weight_cache
 from fp8a2a.quant import QuantizedTensor
 from fp8a2a.reference import quantize_reference
 
@@ -125,10 +126,10 @@ def run_shape(name, hidden, ffn, args):
         t_fb = bench(lambda: fwd().backward(dy), [xa] + params)
         sv, sv1 = saved_bytes(fwd, params, [data, scale])
 
-        def requant():
+        def requant():  # what an optimizer step triggers (its hook), without touching the weights
+            invalidate_fp8_weight_cache()
             with torch.no_grad():
                 for p in params:
-                    p.add_(0)  # bumps the version counter: the next call requantizes
                     fp8_weight(p)
                     if fp8_dgrad:
                         fp8_weight(p, transposed=True)

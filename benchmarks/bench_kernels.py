@@ -13,7 +13,12 @@ index_add for the reorders), at T=16384 tokens, H=7168, top-8 of 256 experts ove
 call: a loop of N calls at 256 x 4096 timed on the host without synchronizing, divided by N.
 Device times: calls launched back to back, each between two CUDA events (median); dispatch_pack
 is also timed from an idle GPU (host latency to the first launch included), printed below the table.
-Targets: dispatch_pack >= 0.9 of copy bandwidth and <= 15 us host time per call.
+The FP8 expert weights an optimizer step rebuilds (fp8a2a.weight_cache.fp8_weight, cache invalidated
+before each call): 8 experts of fc1 [2F, H] and fc2 [H, F], F = 2H/7 (DeepSeek-V3's 2048 at H=7168),
+row-wise (weight_quant_row) and row-wise plus the transposed copy the FP8 dgrad reads
+(weight_quant_row_t); their bytes are the floor: the weights read once, every FP8 copy written once.
+Targets: dispatch_pack >= 0.9 of copy bandwidth and <= 15 us host time per call; weight_quant_row_t
+within 1.5x of its floor (>= 0.67 of copy bandwidth).
 Without a GPU it runs small sizes on the CPU, labelled functional (the numbers mean nothing)."""
 import argparse
 import json
@@ -29,6 +34,7 @@ import torch  # noqa: E402
 from fp8a2a import ops  # noqa: E402
 from fp8a2a.bench.report import percentile  # noqa: E402
 from fp8a2a.reference import dequantize_reference, quantize_reference  # noqa: E402
+from fp8a2a.weight_cache import fp8_weight, invalidate_fp8_weight_cache  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TARGET_PACK_FRAC = 0.9
@@ -36,6 +42,8 @@ TARGET_HOST_US = 15.0
 # The issue states the host target next to eager row quantization on its machine (126 us): the same
 # bound as a ratio against eager quantization timed in this run, for hosts of another speed.
 TARGET_HOST_RATIO = TARGET_HOST_US / 126.0
+TARGET_WEIGHT_FRAC = 1 / 1.5
+WEIGHT_EXPERTS = 8
 
 
 def median_ms(fn, device, iters, warmup=3, from_idle=False):
@@ -126,6 +134,9 @@ class Case:
         self.eager_recv_q, self.eager_recv_s = q.index_select(0, t_of_row), s.index_select(0, t_of_row)
         self.eager_w = self.w.index_select(0, t_of_row)
         self.eager_cbuf = torch.randn(t_of_row.shape[0], H, generator=g, device=device).to(torch.bfloat16)
+        F = max(16, H * 2 // 7)
+        self.expert_w = [torch.randn(WEIGHT_EXPERTS, n, k, generator=g, device=device).to(torch.bfloat16)
+                         for n, k in ((2 * F, H), (H, F))]  # fc1, fc2
 
     # --- the ops, their bytes, their eager equivalents --------------------------------------
     def table(self):
@@ -151,7 +162,29 @@ class Case:
             ("dequantize", N * H + N * 4 + N * H * 2,
              lambda: ops.dequantize(self.data, self.scale, torch.bfloat16),
              lambda: dequantize_reference(self.data, self.scale, torch.bfloat16)),
+            ("weight_quant_row", self._weight_bytes(False), lambda: self._weight_quant(False),
+             lambda: self._eager_weight_quant(False)),
+            ("weight_quant_row_t", self._weight_bytes(True), lambda: self._weight_quant(True),
+             lambda: self._eager_weight_quant(True)),
         ]
+
+    def _weight_bytes(self, transposed):  # read once, each FP8 copy and its scales written once
+        copies = 2 if transposed else 1
+        return sum(w.numel() * 2 + copies * w.numel() + w.shape[0] * (w.shape[1] + transposed * w.shape[2]) * 4
+                   for w in self.expert_w)
+
+    def _weight_quant(self, transposed):
+        invalidate_fp8_weight_cache()  # what every optimizer step does
+        out = [fp8_weight(w) for w in self.expert_w]
+        if transposed:
+            out += [fp8_weight(w, transposed=True) for w in self.expert_w]
+        return out
+
+    def _eager_weight_quant(self, transposed):
+        out = [quantize_reference(w.reshape(-1, w.shape[2]), "row") for w in self.expert_w]
+        if transposed:
+            out += [quantize_reference(w.transpose(-2, -1).reshape(-1, w.shape[1]), "row") for w in self.expert_w]
+        return out
 
     def _eager_pack(self):
         # what a user writes: quantize (amax, div, cast), then gather a row per destination rank
@@ -236,6 +269,10 @@ def run(args):
                                        "ok": (pack.get("frac_of_copy") or 0) >= TARGET_PACK_FRAC},
         "dispatch_pack_host_us": {"target": TARGET_HOST_US, "value": pack.get("host_us"),
                                   "ok": pack.get("host_us") is not None and pack["host_us"] <= TARGET_HOST_US}}
+    wq = next(r for r in result["ops"] if r["op"] == "weight_quant_row_t")
+    result["targets"]["weight_quant_frac_of_copy"] = {
+        "target": round(TARGET_WEIGHT_FRAC, 3), "value": wq.get("frac_of_copy"),
+        "ok": (wq.get("frac_of_copy") or 0) >= TARGET_WEIGHT_FRAC}
     quant = next(r for r in result["ops"] if r["op"] == "quantize_row")
     if pack.get("host_us") is not None and quant.get("eager_host_us"):
         ratio = pack["host_us"] / quant["eager_host_us"]

@@ -500,11 +500,14 @@ def test_bench_kernels_functional(tmp_path):
     assert doc["functional_only"] is True and doc["copy_tbps"] > 0
     names = [r["op"] for r in doc["ops"]]
     assert names == ["quantize_row", "quantize_block128", "dispatch_pack", "dispatch_unpack", "combine_pack",
-                     "combine_unpack", "dequantize"]
+                     "combine_unpack", "dequantize", "weight_quant_row", "weight_quant_row_t"]
+    wq = {r["op"]: r["bytes"] for r in doc["ops"] if r["op"].startswith("weight")}
+    fc1, fc2 = 8 * 146 * 256, 8 * 256 * 73  # 8 experts, F = 2 * 256 // 7
+    assert wq["weight_quant_row_t"] - wq["weight_quant_row"] == fc1 + fc2 + 8 * (256 + 73) * 4  # one more FP8 copy
     for r in doc["ops"]:
         assert r["ms"] > 0 and r["eager_ms"] > 0 and r["host_us"] > 0 and r["frac_of_copy"] > 0, r
     assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us",
-                                   "dispatch_pack_host_vs_eager_quantize"}
+                                   "dispatch_pack_host_vs_eager_quantize", "weight_quant_frac_of_copy"}
     assert "FUNCTIONAL" in text and "dispatch_pack" in text and "x copy" in text
 
 
