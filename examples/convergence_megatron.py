@@ -43,7 +43,13 @@ while their estimated time fits, the others are listed in summary.json as skippe
 another session with the same --seed and --steps, then merge). A process with one arm (each --jobs
 process when jobs >= arms) skips the timing and trains while one more log interval and the final
 evaluation still fit; a run the deadline cuts is marked truncated and left out of the gaps. The --jobs
-processes share the command's deadline. --device cpu --tiny: the local spec,
+processes share the command's deadline.
+
+--checkpoint-dir DIR: a run the deadline cuts saves its state there (weights, FP32 masters, AdamW,
+its rows so far), and a finished run its result; the same command again continues each cut run
+where it stopped and returns each finished one without training. Runs longer than one device call
+then take several calls (keep DIR on the machine between them, and the same --seed, --steps and
+sizes). --device cpu --tiny: the local spec,
 no TE and no FP8 recipe (Megatron's alltoall needs CUDA: arm A uses allgather there), tiny sizes; a
 functional smoke only.
 """
@@ -199,6 +205,14 @@ class Probe:
             self.load_trace.append((step, round(worst, 4)))
             self.loads = {}
 
+    def saved(self):  # what report() reads, for a run continued in another process (Arm.state)
+        return dict(dispatches=self.dispatches, fp8_dispatches=self.fp8_dispatches, wire=sorted(self.wire),
+                    experts_input=sorted(self.experts_input), te_fp8=self.te_fp8, load_trace=self.load_trace)
+
+    def restore(self, st):
+        self.dispatches, self.fp8_dispatches, self.te_fp8 = st["dispatches"], st["fp8_dispatches"], st["te_fp8"]
+        self.wire, self.experts_input, self.load_trace = set(st["wire"]), set(st["experts_input"]), st["load_trace"]
+
     def report(self):
         return dict(fp8_wire=self.dispatches > 0 and self.fp8_dispatches == self.dispatches,
                     fp8_dispatch_fraction=(self.fp8_dispatches / self.dispatches) if self.dispatches else None,
@@ -238,6 +252,25 @@ class Arm:
 
     def loss(self, x, y):
         return self.model(x, self.pos[: x.shape[0]], self.mask, labels=y).float().mean()
+
+    def state(self):
+        """What a later process needs to continue this run: weights, masters, AdamW, RNG."""
+        cuda = self.device.type == "cuda"
+        return dict(model=self.model.state_dict(), opt=self.opt.state_dict(), rng=torch.get_rng_state(),
+                    master=None if self.master is self.params else self.master,
+                    cuda_rng=torch.cuda.get_rng_state(self.device) if cuda else None)
+
+    def load_state(self, st):
+        self.model.load_state_dict(st["model"])
+        if st["master"] is not None:
+            with torch.no_grad():
+                for m, saved in zip(self.master, st["master"]):
+                    m.copy_(saved)
+        self.opt.load_state_dict(st["opt"])
+        torch.set_rng_state(st["rng"])
+        if st["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(st["cuda_rng"], self.device)
+        invalidate_fp8_weight_cache()
 
     def new_weights(self):
         """Before the first micro-batch of a step or an evaluation, as Megatron's schedules do: TE
@@ -306,13 +339,42 @@ def calibrate(arms, cfg, init, data, device, steps, n=15):
     return est
 
 
-def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=print):
+def _checkpoint(path, cfg, steps, **fields):
+    """Write atomically: a process killed while saving leaves the previous checkpoint."""
+    tmp = path + ".tmp"
+    torch.save(dict(config=vars(cfg), steps=steps, **fields), tmp)
+    os.replace(tmp, path)
+
+
+def _resume(path, cfg, steps, run):
+    """The checkpoint of `run` at path, or None; it must come from the same configuration."""
+    if not path or not os.path.exists(path):
+        return None
+    st = torch.load(path, map_location="cpu", weights_only=False)  # written by _checkpoint
+    if st["steps"] != steps or st["config"] != vars(cfg):
+        raise SystemExit(f"{run}: {path} comes from another configuration or step count; use another "
+                         f"--checkpoint-dir (saved: {st['steps']} steps, {st['config']})")
+    return st
+
+
+def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=print, ckpt_dir=None):
+    path = os.path.join(ckpt_dir, f"{run}.pt") if ckpt_dir else None
+    st = _resume(path, cfg, steps, run)
+    if st is not None and "result" in st:  # finished in an earlier command
+        log(f"{run}: finished earlier ({path})")
+        rows += st["rows"]
+        return st["result"]
     r = Arm(arm, cfg, init, data, device, steps)
     acc, n_acc, done, truncated, t_train = torch.zeros((), device=device), 0, 0, False, 0.0
-    last = None
+    last, mine = None, []  # mine: this run's rows
+    if st is not None:
+        r.load_state(st["arm"])
+        done, t_train, last, mine = st["done"], st["t_train"], st["last"], st["rows"]
+        r.probe.restore(st["probe"])
+        log(f"{run}: continuing from step {done} ({path})")
     sync(device)
     t = time.perf_counter()
-    for i in range(steps):
+    for i in range(done, steps):
         acc += r.step(i)
         n_acc += 1
         done = i + 1
@@ -324,7 +386,7 @@ def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=pri
             t_val = time.perf_counter() - t_val
             if not (math.isfinite(tl) and math.isfinite(vl)):
                 raise SystemExit(f"{run}: step {done}: loss {tl} / val {vl}")
-            rows.append(dict(run=run, step=done, train_loss=tl, val_loss=vl))
+            mine.append(dict(run=run, step=done, train_loss=tl, val_loss=vl))
             r.probe.log_load(done)
             last = (tl, vl)
             log(f"{run:28s} step {done:6d}  train {tl:.4f}  val {vl:.4f}  {1e3 * t_train / done:6.1f} ms/step")
@@ -338,12 +400,19 @@ def train(arm, cfg, init, data, device, steps, rows, run, deadline=None, log=pri
                 log(f"{run}: the time budget ran out at step {done} of {steps}")
                 break
             t = time.perf_counter()
+    rows += mine
+    if truncated and path:
+        _checkpoint(path, cfg, steps, arm=r.state(), done=done, t_train=t_train, last=last, rows=mine,
+                    probe=r.probe.saved())
+        log(f"{run}: saved to {path}; the same command continues it")
     full = r.val_loss(full=True)
     out = dict(arm=arm, name=ARMS[arm][0], dispatcher=r.dispatcher, options=ARMS[arm][2],
                fp8_experts=ARMS[arm][3], data_order=ARMS[arm][4], steps=done, truncated=truncated,
                ms_per_step=round(1e3 * t_train / max(1, done), 2), final_train_loss=last[0] if last else None,
                final_val_loss_subset=last[1] if last else None, final_val_loss=full, init_checksum=r.init_checksum,
                experts=type(r.model.decoder.layers[0].mlp.experts).__name__, **r.probe.report())
+    if path and not truncated:
+        _checkpoint(path, cfg, steps, result=out, rows=mine)
     del r
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -445,6 +514,7 @@ def main(argv=None):
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="train nothing: merge per-seed dirs into --out")
+    p.add_argument("--checkpoint-dir", help="save runs the deadline cuts here, and continue them from here")
     a = p.parse_args(argv)
     log = (lambda *s: None) if a.quiet else (lambda *s: print(*s, flush=True))
     if a.merge:
@@ -458,6 +528,9 @@ def main(argv=None):
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available (use --device cpu --tiny)")
     os.makedirs(a.out, exist_ok=True)
+    if a.checkpoint_dir:  # absolute: the --jobs processes share it
+        a.checkpoint_dir = os.path.abspath(a.checkpoint_dir)
+        os.makedirs(a.checkpoint_dir, exist_ok=True)
     t_start = time.perf_counter()
     if a.time_budget > 0 and not a.deadline_at:
         a.deadline_at = time.time() + a.time_budget
@@ -525,7 +598,8 @@ def train_seed(a, arms, log):
     rows, runs = [], {}
     for x in todo:
         run = run_name(x, a.seed)
-        runs[run] = train(x, cfg, init, data[ARMS[x][4]], device, a.steps, rows, run, deadline, log)
+        runs[run] = train(x, cfg, init, data[ARMS[x][4]], device, a.steps, rows, run, deadline, log,
+                          ckpt_dir=a.checkpoint_dir)
     teardown()
     return rows, dict(seed=a.seed, steps=a.steps, device=dev_name, versions=versions, config=vars(cfg),
                       corpus=corpus, arms_requested=arms, skipped=skipped, runs=runs, time_budget_s=a.time_budget,

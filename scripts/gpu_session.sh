@@ -12,7 +12,10 @@
 #                                          once, CONV_JOBS processes each, CONV_STEPS steps; on a machine of several
 #                                          GPUs they run on the last GPU beside the other modes; merge with --merge.
 #                                          A seed as SEED:ARMS runs those arms only ("3:B,C 4:B,C,D,E"); CONV_ARGS
-#                                          adds flags (e.g. "--batch 32"), CONV_TAG suffixes the output dirs)
+#                                          adds flags (e.g. "--batch 32"), CONV_TAG suffixes the output dirs;
+#                                          CONV_CKPT=.conv_ckpt saves the runs the deadline cuts there, per seed,
+#                                          and the same command in the next call continues them: runs longer
+#                                          than one call, over calls on a warm machine)
 #   modes combine: bash scripts/gpu_session.sh tests,kernels
 # One device call may take 600 s (BUDGET_S caps this script, default 570).
 # EXTRA="commands" runs them last, in the same environment (LOGS=the packed folder).
@@ -88,8 +91,10 @@ conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each 
     [[ $entry == *:* ]] && arms=(--arms "${entry#*:}")
     local out=$LOGS/conv_seed$seed${CONV_TAG:-}
     dirs+=("$out")
+    local ckpt=()  # CONV_CKPT: an ignored folder of the repo, kept while the machine stays warm
+    [[ -n ${CONV_CKPT:-} ]] && ckpt=(--checkpoint-dir "$CONV_CKPT/seed$seed${CONV_TAG:-}")
     # shellcheck disable=SC2086  # CONV_ARGS: flags, split on purpose
-    timeout $((budget + 45)) python3 examples/convergence_megatron.py --seed "$seed" "${arms[@]}" \
+    timeout $((budget + 45)) python3 examples/convergence_megatron.py --seed "$seed" "${arms[@]}" "${ckpt[@]}" \
       --jobs "${CONV_JOBS:-6}" --steps "${CONV_STEPS:-3000}" --time-budget "$budget" --no-plot --out "$out" \
       ${CONV_ARGS:-} > "$out.log" 2>&1 & pids+=($!)
   done

@@ -145,6 +145,41 @@ def test_megatron_one_arm_trains_until_the_time_budget(tmp_path):
     assert run["truncated"] and 0 < run["steps"] < 1000 and math.isfinite(run["final_val_loss"])
 
 
+def test_megatron_run_continues_from_its_checkpoint(tmp_path):
+    """--checkpoint-dir: a run the deadline cuts continues in the next command where it stopped and
+    reaches the same losses, step by step, as a run never cut; a finished run is then returned by a
+    third command without training (its rows and result as they were)."""
+    pytest.importorskip("megatron.core")
+    common = ("--device", "cpu", "--tiny", "--steps", "10", "--arms", "B", "--seed", "2", "--threads", "1",
+              "--corpus-bytes", "1000000", "--quiet")
+    ck, run = tmp_path / "ckpt", "fp8_row_seed2"
+
+    def result(name):
+        with open(tmp_path / name / "convergence.csv") as f:
+            rows = [(int(r["step"]), float(r["train_loss"]), float(r["val_loss"])) for r in csv.DictReader(f)]
+        return rows, json.loads((tmp_path / name / "summary.json").read_text())["runs"][run]
+
+    run_megatron_example(*common, "--out", str(tmp_path / "whole"))
+    run_megatron_example(*common, "--out", str(tmp_path / "cut"), "--checkpoint-dir", str(ck), "--time-budget", "0.001")
+    cut_rows, cut = result("cut")
+    assert cut["truncated"] and cut["steps"] == 5 and [s for s, _, _ in cut_rows] == [5]
+    assert (ck / f"{run}.pt").exists()
+    run_megatron_example(*common, "--out", str(tmp_path / "resumed"), "--checkpoint-dir", str(ck))
+    whole_rows, whole = result("whole")
+    rows, resumed = result("resumed")
+    assert rows == whole_rows and [s for s, _, _ in rows] == [5, 10]  # the same losses at every log
+    assert resumed["final_val_loss"] == whole["final_val_loss"] and not resumed["truncated"]
+    assert resumed["steps"] == 10 and resumed["router_max_load"] == whole["router_max_load"]
+    assert resumed["fp8_wire"] and resumed["wire_granularity"] == ["row"]
+    saved = (ck / f"{run}.pt").read_bytes()  # the finished run's result
+    run_megatron_example(*common, "--out", str(tmp_path / "again"), "--checkpoint-dir", str(ck))
+    assert result("again") == (rows, resumed) and (ck / f"{run}.pt").read_bytes() == saved  # not trained again
+    # another step count cannot continue these runs
+    other = run_megatron_example(*common[:4], "12", *common[5:], "--out", str(tmp_path / "other"),
+                                 "--checkpoint-dir", str(ck), check=False)
+    assert other.returncode != 0 and "another configuration or step count" in other.stdout + other.stderr
+
+
 def synthetic_seed_dir(path, seed, gaps, steps=3000, checksum=123.0):
     """A per-seed output dir as convergence_megatron.py writes it: arm A's final val loss, and the
     others' at A's times (1 + gap)."""
