@@ -305,6 +305,9 @@ def format_report(doc):
              "medians" + ("; the eager rows' activations and router weights require grad (a training forward)"
                           if doc.get("grad") else ""),
              f"peers: megatron-core {doc['megatron_core']}, TransformerEngine {doc['transformer_engine']}",
+             "host speed: " + (", ".join(f"{u:.2f}" for u in doc.get("host_reference_us") or []) or "-")
+             + " us per one-element in-place add (costs.host_reference_us; one figure per process): the "
+             "host-bound rows scale with it between machines",
              f"emulation: {EMULATION}", ""]
     head = (f"{'variant':<20}{'device ms':>26}{'host ms':>26}{'kernels':>8}{'copies':>7}{'syncs':>6}{'d2h':>5}"
             f"{'calls':>6}{'MiB':>7}  label")
@@ -377,6 +380,7 @@ def main():
     t0 = time.time()
     wanted = set(args.variants.split(",")) if args.variants else None
     built = [build_point(p, cuda, megatron, wanted, grad=args.grad) for p in points]
+    host_ref = costs.host_reference_us(torch.device("cuda") if cuda else torch.device("cpu"))
     measure(built, args.repeat, args.iters, args.warmup, cuda)
     for _, variants in built:  # after the timing: a profiler that stays attached must not slow it
         characterize(variants, cuda)
@@ -386,6 +390,7 @@ def main():
            "transformer_engine": getattr(megatron, "te", None) or getattr(megatron, "te_error", None) or "-",
            "timing": costs.TIMING if cuda else "functional (CPU): wall time per call, calls back to back",
            "repeat": args.repeat, "iters": args.iters, "warmup": args.warmup, "grad": args.grad,
+           "host_reference_us": [host_ref],
            "capacity_factor": CAPACITY_FACTOR, "emulation": EMULATION,
            "points": [dict(res, variants={n: v.record() for n, v in variants.items()},
                            ratios=ratios(variants, args.repeat)) for res, variants in built],
@@ -429,7 +434,9 @@ def merge_runs(paths):
             apart = source.get((p["name"], num)) != source.get((p["name"], den))
             if f"{num}/{den}" not in p["ratios"] and a and b and apart:
                 p["ratios"][f"{num}/{den} (medians of two processes)"] = costs.spread([a / b])
+    refs = [u for d in docs for u in d.get("host_reference_us") or []]
     return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=merged,
+                host_reference_us=refs,
                 grad=next((g for g in grads if g is not None), False))
 
 

@@ -439,8 +439,12 @@ def test_bench_dispatch_grad_rows_and_merge_refuses_a_mix(tmp_path):
     graphs = tmp_path / "graphs.json"  # a part of graph rows only goes with either
     _benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "1", "--iters", "1", "--warmup", "0",
                "--variants", "fp8a2a_cap_graph", "--json", graphs)
-    _benchmark("bench_dispatch", "--merge", graphs, parts[0], "--json", tmp_path / "m.json")
-    assert json.loads((tmp_path / "m.json").read_text())["grad"] is True  # from the part with eager rows
+    text = _benchmark("bench_dispatch", "--merge", graphs, parts[0], "--json", tmp_path / "m.json")
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["grad"] is True  # from the part with eager rows
+    # the host-speed reference: one figure per process, kept through the merge and printed
+    assert len(grad["host_reference_us"]) == 1 and len(merged["host_reference_us"]) == 2
+    assert all(u > 0 for u in merged["host_reference_us"]) and "host speed: " in text
 
 
 def test_bench_dispatch_merges_points_and_variant_groups_run_apart(tmp_path):

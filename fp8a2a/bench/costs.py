@@ -84,6 +84,22 @@ def profile_call(fn: Callable[[], object], device=None, warmup: int = 1) -> Opti
     return count(from_profiler(prof.events()))
 
 
+def host_reference_us(device, calls: int = 2000, runs: int = 5) -> float:
+    """Host time of the cheapest device op (an in-place add on one element: one launch, no sync), us
+    per call, median of `runs` loops: host-bound figures differ between machines by this factor."""
+    import torch
+    t = torch.zeros(1, device=device)
+    per_call = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            t.add_(1)
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    return statistics.median(per_call)
+
+
 TIMING = ("device time: CUDA events around each call, calls launched back to back (no sync between "
           "calls); host time: perf_counter around each call, no added syncs")
 
