@@ -56,12 +56,10 @@ EP_RUNS = [("deepseek-v3", 4096, 7168, 256, 8, 8), ("deepseek-v3", 4096, 7168, 2
            ("qwen3-235b", 4096, 4096, 128, 8, 8), ("mixtral-8x7b", 4096, 4096, 8, 2, 8)]
 VARIANTS = ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph", "fp8a2a_cap",
             "fp8a2a_cap_graph"]
-# The processes scripts/gpu_session.sh runs (--list-groups): (variants, one process per point).
-# The graph rows run apart from the eager ones: a fault in a replay leaves the process's CUDA context
-# unusable, and the eager rows should survive it.
-VARIANT_GROUPS = [(["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "fp8a2a_cap"], False),
-                  (["megatron_pad_graph", "fp8a2a_cap_graph"], False)]
 GRAPHED = ("megatron_pad_graph", "fp8a2a_cap_graph")  # replayed from a CUDA graph; the others run eager
+# The processes scripts/gpu_session.sh runs (--list-groups), each over every point: the graph rows
+# apart from the eager ones, since a fault in a replay leaves the process's CUDA context unusable.
+VARIANT_GROUPS = [[v for v in VARIANTS if v not in GRAPHED], list(GRAPHED)]
 RATIOS = [("fp8a2a", "megatron_fused"), ("fp8a2a", "megatron"), ("fp8a2a_cap", "megatron_pad"),
           ("fp8a2a_cap_graph", "megatron_pad_graph")]
 CAPACITY_FACTOR = 1.0
@@ -349,8 +347,8 @@ def main():
                     help="the eager rows' activations and router weights require grad (a training forward)")
     ap.add_argument("--list", action="store_true", help="print the point names and exit")
     ap.add_argument("--list-groups", action="store_true",
-                    help="print the variant groups that run in processes of their own, as VARIANTS:all (every "
-                         "point in one process) or VARIANTS:point (a process per point)")
+                    help="print the variant groups that run in processes of their own (comma-separated, each "
+                         "over every point)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="measure nothing: one report (and --json) from runs of other points (one process each, so "
                          "that a device fault costs one point)")
@@ -358,7 +356,7 @@ def main():
     if args.list:
         return print(" ".join(p["name"] for p in POINTS))
     if args.list_groups:
-        return print(" ".join(f"{','.join(g)}:{'point' if apart else 'all'}" for g, apart in VARIANT_GROUPS))
+        return print(" ".join(",".join(g) for g in VARIANT_GROUPS))
     if args.merge:
         return write_report(merge_runs(args.merge), args.json)
     cuda = not args.cpu

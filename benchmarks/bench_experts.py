@@ -22,8 +22,7 @@ import torch.nn.functional as F
 
 import fp8a2a
 from fp8a2a import experts
-from fp8a2a.experts import FP8GroupedMLP, fp8_weight, resolve_backend
-from fp8a2a.weight_cache import invalidate_fp8_weight_cache
+from fp8a2a.experts import FP8GroupedMLP, fp8_weight, invalidate_fp8_weight_cache, resolve_backend
 from fp8a2a.quant import QuantizedTensor
 from fp8a2a.reference import quantize_reference
 

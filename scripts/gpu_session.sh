@@ -77,7 +77,7 @@ conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each 
   twice=$(printf '%s\n' "${CONV_SEEDS_A[@]%%:*}" | sort | uniq -d | tr '\n' ' ')
   [[ -n $twice ]] && { echo "=== convergence: seeds ${twice}given twice in CONV_SEEDS"; return 1; }
   echo "=== convergence: seeds ${CONV_SEEDS_A[*]}, ${CONV_STEPS:-3000} steps, time budget $budget s"
-  # MPS=1: the processes share the GPU through MPS instead of time slices (not yet tried on the device);
+  # MPS=1: the processes share the GPU through MPS instead of time slices;
   # a private pipe directory keeps the other steps' processes off it; the EXIT trap stops it
   if [[ ${MPS:-0} == 1 ]]; then
     export CUDA_MPS_PIPE_DIRECTORY=$LOGS/../mps_pipe CUDA_MPS_LOG_DIRECTORY=$LOGS/../mps_log
@@ -132,17 +132,13 @@ has() { [[ $mode == *,$1,* || $mode == *,bench,* ]]; }  # a mode given, or `benc
 has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
   --json "$LOGS/megatron_layer.json" ${LAYER_ARGS:-}
 if has dispatch; then  # the variant groups in processes of their own (bench_dispatch.py VARIANT_GROUPS), then --merge
-  parts=() n=0 points=$(python3 benchmarks/bench_dispatch.py --list) groups=$(python3 benchmarks/bench_dispatch.py --list-groups)
-  [[ -n $points && -n $groups ]] || { echo "=== bench_dispatch: no points or groups"; FAILED+=" bench_dispatch"; }
-  for group in $groups; do  # VARIANTS:all (every point in one process) or VARIANTS:point (one per point)
-    variants=${group%:*}
-    if [[ ${group##*:} == point ]]; then each=$points; else each=$(tr ' ' ',' <<< "$points"); fi
-    for p in $each; do
-      part="dispatch_${variants%%,*}_$n" n=$((n + 1))
-      step "bench_$part" 180 python3 benchmarks/bench_dispatch.py --points "$p" --variants "$variants" \
-        --repeat "$REPEAT" --json "$LOGS/$part.json" ${DISPATCH_ARGS:-}
-      [[ -f $LOGS/$part.json ]] && parts+=("$LOGS/$part.json")  # also a part that failed after writing its rows
-    done
+  parts=() groups=$(python3 benchmarks/bench_dispatch.py --list-groups)
+  [[ -n $groups ]] || { echo "=== bench_dispatch: no variant groups"; FAILED+=" bench_dispatch"; }
+  for variants in $groups; do  # every point in one process
+    part="dispatch_${variants%%,*}"
+    step "bench_$part" 180 python3 benchmarks/bench_dispatch.py --variants "$variants" --repeat "$REPEAT" \
+      --json "$LOGS/$part.json" ${DISPATCH_ARGS:-}
+    [[ -f $LOGS/$part.json ]] && parts+=("$LOGS/$part.json")  # also a part that failed after writing its rows
   done
   (( ${#parts[@]} )) && step bench_dispatch 30 python3 benchmarks/bench_dispatch.py --merge "${parts[@]}" \
     --json "$LOGS/dispatch.json"

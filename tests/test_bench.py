@@ -453,7 +453,7 @@ def test_bench_dispatch_merges_points_and_variant_groups_run_apart(tmp_path):
     assert _benchmark("bench_dispatch", "--list").split() == ["ws1-4096", "ws1-128", "deepseek-v3@EP8",
                                                              "deepseek-v3@EP32", "qwen3-235b@EP8", "mixtral-8x7b@EP8"]
     assert _benchmark("bench_dispatch", "--list-groups").split() == [
-        "megatron_fused,megatron,fp8a2a,megatron_pad,fp8a2a_cap:all", "megatron_pad_graph,fp8a2a_cap_graph:all"]
+        "megatron_fused,megatron,fp8a2a,megatron_pad,fp8a2a_cap", "megatron_pad_graph,fp8a2a_cap_graph"]
     parts = []
     for points, variants in (("ws1-128,mixtral-8x7b@EP8", "fp8a2a,fp8a2a_cap"), ("ws1-128", "fp8a2a_cap_graph")):
         parts.append(tmp_path / f"part{len(parts)}.json")
