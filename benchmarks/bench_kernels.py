@@ -173,9 +173,9 @@ class Case:
         return sum(w.numel() * 2 + copies * w.numel() + w.shape[0] * (w.shape[1] + transposed * w.shape[2]) * 4
                    for w in self.expert_w)
 
-    def _weight_quant(self, transposed):
+    def _weight_quant(self, transposed):  # as an FP8 dgrad's forward and backward ask for them
         invalidate_fp8_weight_cache()  # what every optimizer step does
-        out = [fp8_weight(w) for w in self.expert_w]
+        out = [fp8_weight(w, with_transposed=transposed) for w in self.expert_w]
         if transposed:
             out += [fp8_weight(w, transposed=True) for w in self.expert_w]
         return out

@@ -394,7 +394,8 @@ def _saved(ctx):
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg):
-        wq, sw = fp8_weight(weight)
+        # an FP8 dgrad will want the transposed copy: build it with the row-wise one (one read less)
+        wq, sw = fp8_weight(weight, with_transposed=cfg.fp8_dgrad and ctx.needs_input_grad[2])
         y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
         _save(ctx, xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
@@ -420,8 +421,9 @@ class _GroupedLinear(torch.autograd.Function):
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, cfg):
-        w1q, s1 = fp8_weight(w1)
-        w2q, s2 = fp8_weight(w2)
+        g = ctx.needs_input_grad  # the backward's FP8 dgrads: fc1's for dx, fc2's for anything before it
+        w1q, s1 = fp8_weight(w1, with_transposed=cfg.fp8_dgrad and g[2])
+        w2q, s2 = fp8_weight(w2, with_transposed=cfg.fp8_dgrad and (g[2] or g[3] or g[5]))
         z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
         y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)

@@ -454,56 +454,83 @@ def _nan_of(v, axis: tl.constexpr):
 
 
 @triton.jit
-def _weight_quant_rows_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, N, K, s_e, s_n,
+def _weight_quant_rows_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, part_ptr, N, K, s_e, s_n,
                               PTRS: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
-                              ONE_PASS: tl.constexpr):
-    pid = tl.program_id(0)  # one row (output channel) e * N + n
-    e = pid // N
-    n = pid % N
-    src = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC) + n.to(tl.int64) * s_n
-    row = pid.to(tl.int64)
-    qr = q_ptr + row * K
-    if ONE_PASS:  # the row fits the block: one read
-        c = tl.arange(0, BLOCK)
-        ok = c < K
-        v = tl.load(src + c, mask=ok, other=0.0).to(tl.float32)
-        qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0) + _nan_of(v, 0))
-        tl.store(qr + c, (v * qmul).to(tl.float8e4nv), mask=ok)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        nan = tl.zeros([BLOCK], dtype=tl.float32)
-        for off in range(0, K, BLOCK):  # pass 1: the row's amax
-            c = off + tl.arange(0, BLOCK)
-            v = tl.load(src + c, mask=c < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
-            nan += tl.where(v != v, v, 0.0)
-        qmul, scale = _scale_rule(tl.max(amax, axis=0) + _nan_of(nan, 0))
-        for off in range(0, K, BLOCK):  # pass 2: quantize (the row is read again from L2)
-            c = off + tl.arange(0, BLOCK)
-            ok = c < K
+                              ONE_PASS: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr):
+    """ROWS rows (output channels) of one expert per program. PARTS (ONE_PASS only): also each
+    column's amax over these rows (NaN where one is NaN), part[e, n // ROWS, :], from which
+    _weight_quant_t_kernel scales the transposed copy without reading the weights for it."""
+    NB = tl.cdiv(N, ROWS)
+    e = tl.program_id(0) // NB
+    blk = tl.program_id(0) % NB
+    src0 = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC)
+    c = tl.arange(0, BLOCK)
+    col_max = tl.zeros([BLOCK], dtype=tl.float32)
+    col_nan = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in range(ROWS):
+        n = blk * ROWS + r
+        live = n < N
+        src = src0 + n.to(tl.int64) * s_n
+        row = e.to(tl.int64) * N + n
+        qr = q_ptr + row * K
+        if ONE_PASS:  # the row fits the block: one read
+            ok = (c < K) & live
             v = tl.load(src + c, mask=ok, other=0.0).to(tl.float32)
+            qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0) + _nan_of(v, 0))
             tl.store(qr + c, (v * qmul).to(tl.float8e4nv), mask=ok)
-    tl.store(s_ptr + row, scale)
+            if PARTS:
+                col_max = tl.maximum(col_max, tl.abs(v))
+                col_nan += tl.where(v != v, v, 0.0)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            nan = tl.zeros([BLOCK], dtype=tl.float32)
+            for off in range(0, K, BLOCK):  # pass 1: the row's amax
+                cc = off + c
+                v = tl.load(src + cc, mask=(cc < K) & live, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(v))
+                nan += tl.where(v != v, v, 0.0)
+            qmul, scale = _scale_rule(tl.max(amax, axis=0) + _nan_of(nan, 0))
+            for off in range(0, K, BLOCK):  # pass 2: quantize (the row is read again from L2)
+                cc = off + c
+                ok = (cc < K) & live
+                v = tl.load(src + cc, mask=ok, other=0.0).to(tl.float32)
+                tl.store(qr + cc, (v * qmul).to(tl.float8e4nv), mask=ok)
+        tl.store(s_ptr + row, scale, mask=live)
+    if PARTS:
+        tl.store(part_ptr + (e.to(tl.int64) * NB + blk) * K + c, col_max + col_nan, mask=c < K)
 
 
 @triton.jit
-def _weight_quant_t_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, N, K, s_e, s_n,
-                           PTRS: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+def _weight_quant_t_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, part_ptr, N, K, s_e, s_n, NB,
+                           PTRS: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                           PARTS: tl.constexpr):
+    """The transposed copy of one expert's BC columns. Its scales come from the column amax: over
+    the expert's N rows (the weights read twice), or PARTS over the NB per-block amaxes that
+    _weight_quant_rows_kernel left (read once)."""
     e = tl.program_id(1)
     rc = tl.program_id(0) * BC + tl.arange(0, BC)  # input channels (columns of the [N, K] weight)
     c_ok = rc < K
     src = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC)
     amax = tl.zeros([BC], dtype=tl.float32)
     nan = tl.zeros([BC], dtype=tl.float32)
-    for m0 in range(0, N, BM):  # pass 1: the column amax over the expert's N rows
-        rm = m0 + tl.arange(0, BM)
-        v = tl.load(src + rm.to(tl.int64)[:, None] * s_n + rc[None, :], mask=(rm < N)[:, None] & c_ok[None, :],
-                    other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-        nan += _nan_of(v, 0)
+    if PARTS:
+        parts = part_ptr + e.to(tl.int64) * NB * K
+        for b0 in range(0, NB, BM):
+            rb = b0 + tl.arange(0, BM)
+            v = tl.load(parts + rb.to(tl.int64)[:, None] * K + rc[None, :], mask=(rb < NB)[:, None] & c_ok[None, :],
+                        other=0.0)
+            amax = tl.maximum(amax, tl.max(v, axis=0))
+            nan += _nan_of(v, 0)
+    else:
+        for m0 in range(0, N, BM):  # pass 1: the column amax over the expert's N rows
+            rm = m0 + tl.arange(0, BM)
+            v = tl.load(src + rm.to(tl.int64)[:, None] * s_n + rc[None, :], mask=(rm < N)[:, None] & c_ok[None, :],
+                        other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+            nan += _nan_of(v, 0)
     qmul, scale = _scale_rule(amax + nan)
     qe = q_ptr + e.to(tl.int64) * K * N
-    for m0 in range(0, N, BM):  # pass 2: quantize, store transposed ([K, N] per expert)
+    for m0 in range(0, N, BM):  # quantize, store transposed ([K, N] per expert)
         rm = m0 + tl.arange(0, BM)
         m_ok = rm < N
         v = tl.load(src + rm.to(tl.int64)[:, None] * s_n + rc[None, :], mask=m_ok[:, None] & c_ok[None, :],
@@ -514,16 +541,12 @@ def _weight_quant_t_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, N, K, s_e, s_n,
 
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_T_BM, _T_BC = 512, 64  # the transposed copy's tile: the fastest of 48 measured on an H200 (BENCHMARKS.md)
+_PART_ROWS = 32  # rows per program when the row-wise pass leaves column amaxes (a sixteenth of the reads)
 
 
-def expert_weight_quant(w, transposed=False):
-    """(data e4m3, scale f32) of E experts' [N, K] weights by the package rule, in one launch:
-    per output channel (data [E, N, K], scale [E, N]; the bytes of quantize(w.reshape(E*N, K), 'row'))
-    or, transposed, per input channel of the transpose (data [E, K, N], scale [E, K]; the bytes of
-    quantize(w.transpose(-2, -1).reshape(E*K, N), 'row')). w: an [E, N, K] tensor with stride(2) == 1,
-    or a sequence of E [N, K] tensors of one shape, dtype, device and strides, stride(1) == 1 (read
-    through a table of their addresses: no stack). Row-wise reads the weights once (twice past K
-    8192, the second from L2); transposed reads them twice (column amax over N, then quantize)."""
+def _weight_source(w):
+    """(x, tab, s_e, s_n, PTRS, VEC, E, N, K) of an [E, N, K] weight or a sequence of E [N, K] ones."""
     if isinstance(w, torch.Tensor):
         E, N, K = w.shape
         assert w.stride(2) == 1
@@ -541,22 +564,53 @@ def expert_weight_quant(w, transposed=False):
         # a pageable host tensor copied without a host sync (the copy is staged before this returns)
         tab = torch.tensor([d // vec for d in deltas], dtype=torch.int64).to(x.device, non_blocking=True)
     assert x.dtype in WEIGHT_DTYPES and x.is_cuda
-    if transposed:
-        data = torch.empty((E, K, N), device=x.device, dtype=torch.float8_e4m3fn)
-        scale = torch.empty((E, K), device=x.device, dtype=torch.float32)
-    else:
-        data = torch.empty((E, N, K), device=x.device, dtype=torch.float8_e4m3fn)
-        scale = torch.empty((E, N), device=x.device, dtype=torch.float32)
+    return x, tab, s_e, s_n, ptrs, vec, E, N, K
+
+
+def _empty_fp8(E, n, k, device):
+    return (torch.empty((E, n, k), device=device, dtype=torch.float8_e4m3fn),
+            torch.empty((E, n), device=device, dtype=torch.float32))
+
+
+def expert_weight_quant(w, transposed=False):
+    """(data e4m3, scale f32) of E experts' [N, K] weights by the package rule, in one launch:
+    per output channel (data [E, N, K], scale [E, N]; the bytes of quantize(w.reshape(E*N, K), 'row'))
+    or, transposed, per input channel of the transpose (data [E, K, N], scale [E, K]; the bytes of
+    quantize(w.transpose(-2, -1).reshape(E*K, N), 'row')). w: an [E, N, K] tensor with stride(2) == 1,
+    or a sequence of E [N, K] tensors of one shape, dtype, device and strides, stride(1) == 1 (read
+    through a table of their addresses: no stack). Row-wise reads the weights once (twice past K
+    8192, the second from L2); transposed reads them twice (column amax over N, then quantize)."""
+    x, tab, s_e, s_n, ptrs, vec, E, N, K = _weight_source(w)
+    data, scale = _empty_fp8(E, K, N, x.device) if transposed else _empty_fp8(E, N, K, x.device)
     if data.numel() == 0:
         return data, scale.fill_(1.0)  # no elements: amax 0 -> scale 1
     tab_ = tab if tab is not None else scale
     if transposed:
-        # 512 x 64 tiles, 8 warps: the fastest of 48 tiles (BM 128-512, BC 16-128, pipelined or not)
-        # measured on an H200 for DeepSeek-V3's fc1 and fc2, 0.73x the time of the 128 x 64 tile
-        _weight_quant_t_kernel[(triton.cdiv(K, 64), E)](x, tab_, data, scale, N, K, s_e, s_n, PTRS=ptrs,
-                                                        VEC=vec, BM=512, BC=64, num_warps=8)
+        _weight_quant_t_kernel[(triton.cdiv(K, _T_BC), E)](x, tab_, data, scale, scale, N, K, s_e, s_n, 0, PTRS=ptrs,
+                                                           VEC=vec, BM=_T_BM, BC=_T_BC, PARTS=False, num_warps=8)
     else:
         blk = max(128, min(8192, triton.next_power_of_2(K)))
-        _weight_quant_rows_kernel[(E * N,)](x, tab_, data, scale, N, K, s_e, s_n, PTRS=ptrs, VEC=vec,
-                                            BLOCK=blk, ONE_PASS=K <= blk, num_warps=4)
+        _weight_quant_rows_kernel[(E * N,)](x, tab_, data, scale, scale, N, K, s_e, s_n, PTRS=ptrs, VEC=vec,
+                                            BLOCK=blk, ONE_PASS=K <= blk, ROWS=1, PARTS=False, num_warps=4)
     return data, scale
+
+
+def expert_weight_quant_both(w):
+    """(row-wise, transposed): what expert_weight_quant gives for each, the same bytes, in two
+    launches that read the weights twice instead of three times: the row-wise pass leaves each
+    column's amax per block of rows, and the transposed pass takes its scales from them. Up to K
+    8192 (a row in one block); past it, the two calls."""
+    x, tab, s_e, s_n, ptrs, vec, E, N, K = _weight_source(w)
+    if K > 8192 or E * N * K == 0:
+        return expert_weight_quant(w), expert_weight_quant(w, transposed=True)
+    row, row_s = _empty_fp8(E, N, K, x.device)
+    t, t_s = _empty_fp8(E, K, N, x.device)
+    nb = triton.cdiv(N, _PART_ROWS)
+    parts = torch.empty((E, nb, K), device=x.device, dtype=torch.float32)
+    tab_ = tab if tab is not None else row_s
+    blk = max(128, triton.next_power_of_2(K))
+    _weight_quant_rows_kernel[(E * nb,)](x, tab_, row, row_s, parts, N, K, s_e, s_n, PTRS=ptrs, VEC=vec, BLOCK=blk,
+                                         ONE_PASS=True, ROWS=_PART_ROWS, PARTS=True, num_warps=8)
+    _weight_quant_t_kernel[(triton.cdiv(K, _T_BC), E)](x, tab_, t, t_s, parts, N, K, s_e, s_n, nb, PTRS=ptrs,
+                                                       VEC=vec, BM=_T_BM, BC=_T_BC, PARTS=True, num_warps=8)
+    return (row, row_s), (t, t_s)

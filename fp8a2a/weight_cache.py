@@ -69,25 +69,37 @@ def expert_weights(*groups):
     return out
 
 
+def _slot(weight, kind):
+    """(sources, the cache dict, the key of `kind` now, or None where nothing may be cached)."""
+    sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
+    versions = tuple(_weight_version(t) for t in sources)
+    key = None if None in versions else (kind, versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources),
+                                         weight.device, tuple(weight.shape))
+    return sources, sources[0].__dict__.setdefault("_fp8a2a_cache", {}), key
+
+
 def _cached(weight, kind, build):
     """build(sources) cached on the weight (on the first of its parameters for an expert_weights
     stand-in) under kind. The one validity rule: recomputed when a version counter or storage of a
     source changes, after every optimizer step (fused optimizers do not bump versions) and after
     invalidate_fp8_weight_cache(); never cached for inference tensors (no version counter)."""
-    sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
-    versions = tuple(_weight_version(t) for t in sources)
-    cacheable = None not in versions
-    key = (kind, versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources), weight.device,
-           tuple(weight.shape))
-    cache = sources[0].__dict__.setdefault("_fp8a2a_cache", {})
-    if cacheable and cache.get(kind, (None,))[0] == key:
+    sources, cache, key = _slot(weight, kind)
+    if key is not None and cache.get(kind, (None,))[0] == key:
         return cache[kind][1]
     cache.pop(kind, None)  # free the stale copy before building its successor
     with torch.no_grad():
         out = build(sources)
-    if cacheable:
+    if key is not None:
         cache[kind] = (key, out)
     return out
+
+
+def _put(weight, kind, value):
+    """Cache value under kind as _cached would have after building it."""
+    _, cache, key = _slot(weight, kind)
+    cache.pop(kind, None)
+    if key is not None:
+        cache[kind] = (key, value)
 
 
 def _lazy(weight) -> bool:
@@ -106,7 +118,8 @@ def _dense_weight(weight: torch.Tensor) -> torch.Tensor:
 def _fast_weight_quant(weight, sources, transposed):
     """fp8_weight's build in one Triton launch (triton_kernels.expert_weight_quant: the same bytes),
     or None where it does not apply: not CUDA / no Triton, no elements, another dtype, or for a
-    stand-in, parameters not all contiguous of one dtype on the weight's device."""
+    stand-in, parameters not all contiguous of one dtype on the weight's device. transposed="both":
+    (row-wise, transposed) from triton_kernels.expert_weight_quant_both."""
     fx = _experts()
     if not fx._triton_ok(weight):
         return None
@@ -117,40 +130,60 @@ def _fast_weight_quant(weight, sources, transposed):
         w = weight.detach()
         if w.dtype not in fx._tk().WEIGHT_DTYPES or w.stride(2) != 1:
             return None
-        return fx._tk().expert_weight_quant(w, transposed)
+        return _quant_call(fx._tk(), w, transposed)
     ts = [t.detach() for t in sources]
     t0 = ts[0]
     if (len(ts) != E or t0.dtype not in fx._tk().WEIGHT_DTYPES
             or any(t.device != weight.device or t.dtype != t0.dtype or t.shape != (N, K) or not t.is_contiguous()
                    for t in ts)):
         return None
-    return fx._tk().expert_weight_quant(ts, transposed)
+    return _quant_call(fx._tk(), ts, transposed)
 
 
-def fp8_weight(weight: torch.Tensor, transposed: bool = False):
+def _quant_call(tk, w, transposed):
+    return tk.expert_weight_quant_both(w) if transposed == "both" else tk.expert_weight_quant(w, transposed)
+
+
+def fp8_weight(weight: torch.Tensor, transposed: bool = False, with_transposed: bool = False):
     """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
     transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
     weight tensor (on its parameters for an expert_weights stand-in, read through a table of their
     addresses on CUDA, expert by expert elsewhere: no BF16 stack); recomputed as _cached says. On
     CUDA with Triton one launch per call (triton_kernels.expert_weight_quant), the same bytes as the
-    extension's row quantization of the [E*N, K] (or transposed [E*K, N]) rows."""
-    def build(sources):
-        fast = _fast_weight_quant(weight, sources, transposed)
-        if fast is not None:
-            return fast
-        E, N, K = weight.shape
-        if transposed:
-            N, K = K, N
-        if not _lazy(weight):
-            w = weight.detach()
-            data, scale = _experts()._quant_rows((w.transpose(-2, -1) if transposed else w).reshape(E * N, K))
-            return data.view(E, N, K), scale.view(E, N)
-        data = torch.empty((E, N, K), dtype=FP8, device=weight.device)
-        scale = torch.empty((E, N), dtype=torch.float32, device=weight.device)
-        for e, t in enumerate(sources):
-            d, s = _experts()._quant_rows(t.detach().t() if transposed else t.detach())
-            data[e].copy_(d)
-            scale[e].copy_(s)
-        return data, scale
+    extension's row quantization of the [E*N, K] (or transposed [E*K, N]) rows.
 
-    return _cached(weight, transposed, build)
+    with_transposed (the forward of an FP8 dgrad): a row-wise build also builds the transposed copy
+    and caches it for the backward, both from one read less of the weights on CUDA
+    (triton_kernels.expert_weight_quant_both)."""
+    if with_transposed and not transposed:
+        _, cache, key = _slot(weight, False)
+        if key is None or cache.get(False, (None,))[0] != key:  # the row-wise copy is to be built
+            cache.pop(False, None)  # free the stale copies before building their successors
+            cache.pop(True, None)
+            row, t = _cached(weight, "both", lambda sources: _fast_weight_quant(weight, sources, "both")
+                             or (_build(weight, sources, False), _build(weight, sources, True)))
+            cache.pop("both", None)  # the pair lives on as the two kinds
+            _put(weight, True, t)
+            _put(weight, False, row)
+            return row
+    return _cached(weight, transposed, lambda sources: _fast_weight_quant(weight, sources, transposed)
+                   or _build(weight, sources, transposed))
+
+
+def _build(weight, sources, transposed):
+    """fp8_weight's build off the Triton path: the extension's row quantization, expert by expert
+    for a stand-in (no BF16 stack)."""
+    E, N, K = weight.shape
+    if transposed:
+        N, K = K, N
+    if not _lazy(weight):
+        w = weight.detach()
+        data, scale = _experts()._quant_rows((w.transpose(-2, -1) if transposed else w).reshape(E * N, K))
+        return data.view(E, N, K), scale.view(E, N)
+    data = torch.empty((E, N, K), dtype=FP8, device=weight.device)
+    scale = torch.empty((E, N), dtype=torch.float32, device=weight.device)
+    for e, t in enumerate(sources):
+        d, s = _experts()._quant_rows(t.detach().t() if transposed else t.detach())
+        data[e].copy_(d)
+        scale[e].copy_(s)
+    return data, scale

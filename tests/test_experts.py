@@ -295,6 +295,35 @@ def test_fp8_weight_of_expert_parameters_is_cached_on_them():
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0 + (i < 2))) for i, p in enumerate(ps))
 
 
+def test_fp8_weight_with_transposed_caches_both_copies():
+    """with_transposed (an FP8 dgrad's forward): the row-wise copy and the transposed one, each the
+    bytes of its own build, for a dense weight and for per-expert parameters; the backward's call
+    then finds the transposed copy, and an update rebuilds both."""
+    w = torch.randn(3, 32, 48).bfloat16()
+    want_row, want_t = fp8_weight(w.clone()), fp8_weight(w.clone(), transposed=True)
+    ps = [torch.nn.Parameter(w[e].clone()) for e in range(3)]
+    for weight in (lambda d=w.clone().requires_grad_(): d, lambda: expert_weights(ps)[0]):
+        row = fp8_weight(weight(), with_transposed=True)
+        t = fp8_weight(weight(), transposed=True)
+        assert fp8_weight(weight()) is row and fp8_weight(weight(), with_transposed=True) is row
+        for got, want in ((row, want_row), (t, want_t)):
+            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+        fp8a2a.invalidate_fp8_weight_cache()  # an optimizer step
+        row2 = fp8_weight(weight(), with_transposed=True)
+        assert row2 is not row and fp8_weight(weight(), transposed=True) is not t
+        assert torch.equal(row2[1], row[1])
+
+
+def test_fp8_dgrad_forward_without_grad_builds_no_transposed_copy():
+    mlp = FP8GroupedMLP(2, 32, 16, fp8_dgrad=True)
+    x, tpe = torch.randn(6, 32), torch.tensor([4, 2])
+    with torch.no_grad():
+        mlp(x, tpe)
+    assert set(mlp.fc1_weight.__dict__["_fp8a2a_cache"]) == {False}  # the row-wise copy only
+    mlp(x.requires_grad_(), tpe).sum().backward()
+    assert set(mlp.fc1_weight.__dict__["_fp8a2a_cache"]) == {False, True}
+
+
 def _count_builds(monkeypatch):
     """{'stack': BF16 stacks built, 'fp8': weight quantizations} of the expert weight caches."""
     import fp8a2a.weight_cache as wc
@@ -331,7 +360,9 @@ def test_expert_weights_built_once_per_optimizer_step(monkeypatch, fp8_dgrad):
         y.float().pow(2).sum().backward()
         return y, x.grad
 
-    per_step = {"stack": 0 if fp8_dgrad else 2, "fp8": 4 if fp8_dgrad else 2}
+    # per weight and step one build; with the FP8 dgrad it makes the transposed copy too (the forward
+    # builds both from one pass: fp8_weight(with_transposed=True)), which the backward then finds
+    per_step = {"stack": 0 if fp8_dgrad else 2, "fp8": 2}
     for _ in range(3):
         micro_batch(0)
     assert counts == per_step, counts

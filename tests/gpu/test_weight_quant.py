@@ -113,3 +113,24 @@ def test_misaligned_stand_in():
         got, names = _kernels(lambda: fx.fp8_weight(stand_in, transposed))
         assert len(names) == 1, names
         _same(got, _reference(w, transposed))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stand_in", [False, True])
+@pytest.mark.parametrize("special", [False, True])
+def test_with_transposed(shape, stand_in, special):
+    """with_transposed (an FP8 dgrad's forward): both copies in two launches, the row-wise pass
+    leaving the column amaxes the transposed pass scales by (past K 8192: the two plain kernels);
+    each the bytes of its reference, and the backward's call then launches nothing."""
+    w = _weights(*shape, torch.bfloat16, special and shape[1] >= 8 and shape[2] >= 8, seed=2)
+    if stand_in:
+        params = [torch.nn.Parameter(w[e].clone()) for e in range(shape[0])]
+        (weight,) = fx.expert_weights(params)
+    else:
+        weight = w.clone().requires_grad_()
+    row, names = _kernels(lambda: fx.fp8_weight(weight, with_transposed=True))
+    assert len(names) == 2 and all("weight_quant" in n for n in names), names
+    _same(row, _reference(w, False))
+    t, names = _kernels(lambda: fx.fp8_weight(weight, transposed=True))
+    assert names == []
+    _same(t, _reference(w, True))
