@@ -393,9 +393,10 @@ def _saved(ctx):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg):
-        # an FP8 dgrad will want the transposed copy: build it with the row-wise one (one read less)
-        wq, sw = fp8_weight(weight, with_transposed=cfg.fp8_dgrad and ctx.needs_input_grad[2])
+    def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg, grad_mode):
+        # an FP8 dgrad will want the transposed copy: build it with the row-wise one (one read less).
+        # needs_input_grad ignores grad mode (a parameter reads True under no_grad): grad_mode is the caller's
+        wq, sw = fp8_weight(weight, with_transposed=grad_mode and cfg.fp8_dgrad and ctx.needs_input_grad[2])
         y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
         _save(ctx, xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
         ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
@@ -415,15 +416,16 @@ class _GroupedLinear(torch.autograd.Function):
             dx = (gx if rw is None else gx * rw.to(torch.float32)[:, None]).to(ctx.anchor_dtype)
         if need_w:
             dw = _wgrad(ctx.cfg, dy, xq, _fold(xs, rw), offs, weight)
-        return None, None, dx, dw, drw, None, None
+        return None, None, dx, dw, drw, None, None, None
 
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, cfg):
-        g = ctx.needs_input_grad  # the backward's FP8 dgrads: fc1's for dx, fc2's for anything before it
-        w1q, s1 = fp8_weight(w1, with_transposed=cfg.fp8_dgrad and g[2])
-        w2q, s2 = fp8_weight(w2, with_transposed=cfg.fp8_dgrad and (g[2] or g[3] or g[5]))
+    def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, cfg, grad_mode):
+        # the backward's FP8 dgrads: fc1's for dx, fc2's for anything before it (grad_mode: as above)
+        g = ctx.needs_input_grad
+        w1q, s1 = fp8_weight(w1, with_transposed=grad_mode and cfg.fp8_dgrad and g[2])
+        w2q, s2 = fp8_weight(w2, with_transposed=grad_mode and cfg.fp8_dgrad and (g[2] or g[3] or g[5]))
         z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
         y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
@@ -435,13 +437,13 @@ class _GroupedMLP(torch.autograd.Function):
     def backward(ctx, dy):
         xq, xs, z, hq, hs, w1, w2, rw, offs = _saved(ctx)
         cfg = ctx.cfg
-        _, _, need_x, need_w1, need_w2, need_rw, _, _ = ctx.needs_input_grad
+        _, _, need_x, need_w1, need_w2, need_rw, _, _, _ = ctx.needs_input_grad
         dy = dy.to(torch.bfloat16).contiguous()
         dx = dw1 = dw2 = None
         if need_w2:
             dw2 = _wgrad(cfg, dy, hq, hs, offs, w2)
         if not (need_x or need_w1 or need_rw):
-            return None, None, None, None, dw2, None, None, None
+            return None, None, None, None, dw2, None, None, None, None
         dh = _dgrad(cfg, dy, w2, offs)
         dz, drw = _act_bwd(cfg, z, dh, rw)
         del dh
@@ -451,7 +453,7 @@ class _GroupedMLP(torch.autograd.Function):
             dx = _dgrad(cfg, dz, w1, offs).to(ctx.anchor_dtype)
         if drw is not None:
             drw = drw.to(rw.dtype)
-        return None, None, dx, dw1, dw2, drw if need_rw else None, None, None
+        return None, None, dx, dw1, dw2, drw if need_rw else None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,7 +538,7 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
                                         router_weights)
     cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad,
                tuning=_checked_config(config))
-    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, cfg)
+    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, cfg, torch.is_grad_enabled())
 
 
 class FP8GroupedMLP(torch.nn.Module):
@@ -575,7 +577,8 @@ class FP8GroupedMLP(torch.nn.Module):
         xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
                                             self.backend, check, router_weights)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)
-        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, cfg)
+        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, cfg,
+                                 torch.is_grad_enabled())
 
     def extra_repr(self):
         return (f"experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "

@@ -600,17 +600,20 @@ def expert_weight_quant_both(w):
     launches that read the weights twice instead of three times: the row-wise pass leaves each
     column's amax per block of rows, and the transposed pass takes its scales from them. Up to K
     8192 (a row in one block); past it, the two calls."""
-    x, tab, s_e, s_n, ptrs, vec, E, N, K = _weight_source(w)
+    E, N, K = w.shape if isinstance(w, torch.Tensor) else (len(w),) + tuple(w[0].shape)
     if K > 8192 or E * N * K == 0:
         return expert_weight_quant(w), expert_weight_quant(w, transposed=True)
+    x, tab, s_e, s_n, ptrs, vec, E, N, K = _weight_source(w)
     row, row_s = _empty_fp8(E, N, K, x.device)
     t, t_s = _empty_fp8(E, K, N, x.device)
     nb = triton.cdiv(N, _PART_ROWS)
     parts = torch.empty((E, nb, K), device=x.device, dtype=torch.float32)
     tab_ = tab if tab is not None else row_s
     blk = max(128, triton.next_power_of_2(K))
+    # 16 warps at a full 8192-column row: 8 would hold it, its column amaxes and NaNs in 169 registers
     _weight_quant_rows_kernel[(E * nb,)](x, tab_, row, row_s, parts, N, K, s_e, s_n, PTRS=ptrs, VEC=vec, BLOCK=blk,
-                                         ONE_PASS=True, ROWS=_PART_ROWS, PARTS=True, num_warps=8)
+                                         ONE_PASS=True, ROWS=_PART_ROWS, PARTS=True,
+                                         num_warps=16 if blk >= 8192 else 8)
     _weight_quant_t_kernel[(triton.cdiv(K, _T_BC), E)](x, tab_, t, t_s, parts, N, K, s_e, s_n, nb, PTRS=ptrs,
                                                        VEC=vec, BM=_T_BM, BC=_T_BC, PARTS=True, num_warps=8)
     return (row, row_s), (t, t_s)

@@ -314,14 +314,18 @@ def test_fp8_weight_with_transposed_caches_both_copies():
         assert torch.equal(row2[1], row[1])
 
 
-def test_fp8_dgrad_forward_without_grad_builds_no_transposed_copy():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_fp8_dgrad_forward_without_grad_builds_no_transposed_copy(mode):
+    """Evaluation or serving: the parameters still require grad, but no backward comes."""
     mlp = FP8GroupedMLP(2, 32, 16, fp8_dgrad=True)
     x, tpe = torch.randn(6, 32), torch.tensor([4, 2])
-    with torch.no_grad():
+    with mode():
         mlp(x, tpe)
-    assert set(mlp.fc1_weight.__dict__["_fp8a2a_cache"]) == {False}  # the row-wise copy only
-    mlp(x.requires_grad_(), tpe).sum().backward()
-    assert set(mlp.fc1_weight.__dict__["_fp8a2a_cache"]) == {False, True}
+    for w in (mlp.fc1_weight, mlp.fc2_weight):  # the row-wise copies only
+        assert set(w.__dict__["_fp8a2a_cache"]) == {False}
+    mlp(x.clone().requires_grad_(), tpe).sum().backward()
+    for w in (mlp.fc1_weight, mlp.fc2_weight):
+        assert set(w.__dict__["_fp8a2a_cache"]) == {False, True}
 
 
 def _count_builds(monkeypatch):
