@@ -157,7 +157,10 @@ def fp8_weight(weight: torch.Tensor, transposed: bool = False, with_transposed: 
     (triton_kernels.expert_weight_quant_both)."""
     if with_transposed and not transposed:
         _, cache, key = _slot(weight, False)
-        if key is not None and cache.get(False, (None,))[0] != key:  # to be built (and cacheable)
+        hit = cache.get(False, (None,))
+        if key is not None and hit[0] == key:  # cached (the usual micro-batch): one key computed, not two
+            return hit[1]
+        if key is not None:  # to be built, and cacheable
             cache.pop(False, None)  # free the stale copies before building their successors
             cache.pop(True, None)
             row, t = _cached(weight, "both", lambda sources: _fast_weight_quant(weight, sources, "both")
