@@ -307,8 +307,8 @@ def format_report(doc):
              + " us per one-element in-place add (costs.host_reference_us; one figure per process): the "
              "host-bound rows scale with it between machines",
              f"emulation: {EMULATION}", ""]
-    head = (f"{'variant':<20}{'device ms':>26}{'host ms':>26}{'kernels':>8}{'copies':>7}{'syncs':>6}{'d2h':>5}"
-            f"{'calls':>6}{'MiB':>7}  label")
+    head = (f"{'variant':<20}{'device ms':>26}{'host ms':>26}{'busy ms':>8}{'kernels':>8}{'copies':>7}{'syncs':>6}"
+            f"{'d2h':>5}{'calls':>6}{'MiB':>7}  label")
     for p in doc["points"]:
         lines += [f"== {p['name']}: {p['tokens']} tokens x {p['hidden']}, {p['experts']} experts, top-{p['topk']} "
                   f"({p['emulates']})", head]
@@ -322,14 +322,20 @@ def format_report(doc):
                           for key, wd in (("kernels", 8), ("copies", 7), ("syncs", 6), ("d2h", 5),
                                           ("launch_calls", 6)))
             mib = "-" if v.get("peak_mib") is None else f"{v['peak_mib']:.0f}"
+            busy = "-" if c.get("busy_us") is None else f"{c['busy_us'] / 1e3:.3f}"
             note = (f" (counts failed: {c['error']})" if c.get("error") else "") + \
                 (f" ({v['unavailable']})" if v.get("unavailable") else "")
-            lines.append(f"{name:<20}{_span(v['device_ms']):>26}{_span(v['host_ms']):>26}{cnt}{mib:>7}  "
+            lines.append(f"{name:<20}{_span(v['device_ms']):>26}{_span(v['host_ms']):>26}{busy:>8}{cnt}{mib:>7}  "
                          f"{v['label']}{note}")
+        for name in ("fp8a2a", "fp8a2a_cap"):  # where fp8a2a's device time goes
+            ops = (p["variants"].get(name, {}).get("costs") or {}).get("busy_us_by_op")
+            if ops:
+                lines.append(f"{name} busy us: " + ", ".join(f"{k} {u:.1f}" for k, u in ops.items()))
         rs = "; ".join(f"{k} {_span(s, '{:.2f}')}" for k, s in p["ratios"].items()) or "none (a side unavailable)"
         lines += [f"ratios (device time, per run): {rs}", ""]
     lines.append("syncs: host calls that block on the GPU (cudaStream/Event/DeviceSynchronize, blocking cudaMemcpy); "
-                 "d2h: device-to-host copies; kernels and copies/memsets: device events; calls: host launch calls "
+                 "d2h: device-to-host copies; kernels and copies/memsets: device events; busy ms: their summed durations in "
+                 "one profiled call (the device work without the gaps between it); calls: host launch calls "
                  "(kernel and graph launches); MiB: peak memory above the inputs of one eager call")
     return "\n".join(lines)
 

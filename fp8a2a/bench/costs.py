@@ -12,6 +12,8 @@ events that start before that marker count, so neither the warm-up nor that fina
             torch's own syncs, not cudaEventSynchronize: this counts what the host actually did.
   d2h       device-to-host copies: the profiler's "Memcpy DtoH" device events (async or not).
   kernels   device events that are kernels; copies: Memcpy / Memset device events, apart.
+  busy_us   the summed durations of those device events: the call's device work without its gaps
+            (a device time far above it is host-bound: launches, or the wait after a host sync).
 """
 import re
 import statistics
@@ -33,6 +35,7 @@ class Event(NamedTuple):
     device: bool  # a GPU-side event (kernel, Memcpy, Memset), not a host call
     start_us: float
     annotation: bool = False  # a record_function range (host or its GPU shadow), not work
+    duration_us: float = 0.0
 
 
 def from_profiler(events) -> List[Event]:
@@ -41,12 +44,31 @@ def from_profiler(events) -> List[Event]:
     for e in events:
         kind = getattr(getattr(e, "device_type", None), "name", "CPU")
         out.append(Event(e.name, kind != "CPU", float(e.time_range.start),
-                         bool(getattr(e, "is_user_annotation", False))))
+                         bool(getattr(e, "is_user_annotation", False)),
+                         float(e.time_range.end - e.time_range.start)))
     return out
 
 
 def _api(name: str) -> str:
     return re.sub(r"_v\d+$", "", name)  # some CUPTI versions suffix the API version
+
+
+def _short(name: str) -> str:
+    """A kernel's function name without namespaces, template arguments and parameters; a copy's kind."""
+    if name.startswith(("Memcpy", "Memset")):
+        return " ".join(name.split()[:2])
+    name = name.replace("(anonymous namespace)", "")
+    while re.search(r"<[^<>]*>", name):
+        name = re.sub(r"<[^<>]*>", "", name)
+    words = name.split("(")[0].split()
+    return (words[-1] if words else name).split("::")[-1]
+
+
+def _by_op(work: List[Event]) -> dict:
+    out = Counter()
+    for e in work:
+        out[_short(e.name)] += e.duration_us
+    return dict(out)
 
 
 def count(events: Iterable[Event], marker: str = MARKER) -> dict:
@@ -56,8 +78,9 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
     events = list(events)
     cut = min((e.start_us for e in events if not e.device and e.name == marker), default=None)
     host = [_api(e.name) for e in events if not e.device and (cut is None or e.start_us < cut)]
-    dev = [e.name for e in events if e.device and not e.annotation and e.name != marker
-           and not e.name.startswith(_NOT_KERNELS)]
+    work = [e for e in events if e.device and not e.annotation and e.name != marker
+            and not e.name.startswith(_NOT_KERNELS)]
+    dev = [e.name for e in work]
     calls = Counter(n for n in host if n in SYNC_APIS)
     if cut is None and calls["cudaDeviceSynchronize"]:
         calls["cudaDeviceSynchronize"] -= 1
@@ -65,6 +88,7 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
     return {"syncs": sum(calls.values()), "sync_calls": {k: v for k, v in sorted(calls.items()) if v},
             "d2h": sum(1 for n in copies if n.startswith("Memcpy DtoH")), "kernels": len(dev) - len(copies),
             "copies": len(copies), "launch_calls": sum(1 for n in host if n in LAUNCH_APIS),
+            "busy_us": sum(e.duration_us for e in work), "busy_us_by_op": _by_op(work),
             "marker": cut is not None}
 
 
