@@ -481,7 +481,8 @@ def seed_summary(meta, log):
         lines.append(f"skipped (time budget): {','.join(meta['skipped'])}: run them with --arms "
                      f"{','.join(meta['skipped'])} --seed {meta['seed']} --steps {meta['steps']} and merge")
     ms = sum(r["ms_per_step"] for r in runs.values()) / max(1, len(runs))
-    lines.append(f"mean {ms:.1f} ms/step: {len(ARMS)} arms x {MIN_STEPS} steps ~ {len(ARMS) * MIN_STEPS * ms / 6e4:.1f} "
+    steps = max(MIN_STEPS, meta["steps"])  # this run's length (the minimum for shorter smoke runs)
+    lines.append(f"mean {ms:.1f} ms/step: {len(ARMS)} arms x {steps} steps ~ {len(ARMS) * steps * ms / 6e4:.1f} "
                  f"min of training, one process (an estimate from these runs, evaluations not counted)")
     text = "\n".join(lines)
     log(text)
