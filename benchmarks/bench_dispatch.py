@@ -330,12 +330,13 @@ def format_report(doc):
         for name in ("fp8a2a", "fp8a2a_cap"):  # where fp8a2a's device time goes
             ops = (p["variants"].get(name, {}).get("costs") or {}).get("busy_us_by_op")
             if ops:
-                lines.append(f"{name} busy us: " + ", ".join(f"{k} {u:.1f}" for k, u in ops.items()))
+                lines.append(f"{name} kernel us: " + ", ".join(f"{k} {u:.1f}" for k, u in ops.items()))
         rs = "; ".join(f"{k} {_span(s, '{:.2f}')}" for k, s in p["ratios"].items()) or "none (a side unavailable)"
         lines += [f"ratios (device time, per run): {rs}", ""]
     lines.append("syncs: host calls that block on the GPU (cudaStream/Event/DeviceSynchronize, blocking cudaMemcpy); "
-                 "d2h: device-to-host copies; kernels and copies/memsets: device events; busy ms: their summed durations in "
-                 "one profiled call (the device work without the gaps between it); calls: host launch calls "
+                 "d2h: device-to-host copies; kernels and copies/memsets: device events; busy ms: the time the device ran "
+                 "them in one profiled call (their spans merged; the per-kernel lines sum each kernel's durations); "
+                 "calls: host launch calls "
                  "(kernel and graph launches); MiB: peak memory above the inputs of one eager call")
     return "\n".join(lines)
 

@@ -113,8 +113,8 @@ def layer_variant(name, layer, cfg, x, gy):
 
         def refresh():
             with torch.no_grad():
-                for w in layer.experts._fp8_weights():
-                    fp8_weight(w)
+                for w in layer.experts._fp8_weights():  # as a training forward builds them
+                    fp8_weight(w, with_transposed=impl.fp8_dgrad)
                     fp8_weight(w, transposed=True) if impl.fp8_dgrad else _dense_weight(w)
     return Variant(name, step, refresh, cfg, first_step)
 
@@ -150,7 +150,7 @@ def grouped_mlp_variants(shape, layer, x, gy, cuda):
         def refresh(mlp=mlp):
             with torch.no_grad():
                 for w in stacks:
-                    fp8_weight(w)
+                    fp8_weight(w, with_transposed=mlp.fp8_dgrad)
                     fp8_weight(w, transposed=True) if mlp.fp8_dgrad else None
         out.append(Variant(f"FP8GroupedMLP on Dispatcher{suffix}", step, refresh))
     return out

@@ -12,8 +12,10 @@ events that start before that marker count, so neither the warm-up nor that fina
             torch's own syncs, not cudaEventSynchronize: this counts what the host actually did.
   d2h       device-to-host copies: the profiler's "Memcpy DtoH" device events (async or not).
   kernels   device events that are kernels; copies: Memcpy / Memset device events, apart.
-  busy_us   the summed durations of those device events: the call's device work without its gaps
-            (a device time far above it is host-bound: launches, or the wait after a host sync).
+  busy_us   the time the device ran any of those events (their spans merged: a kernel launched early,
+            programmatic dependent launch, overlaps the one before it): the call's device work
+            without its gaps; a device time far above it is host-bound (launches, or the wait after
+            a host sync). busy_us_by_op: each kernel's (or copy kind's) summed durations, unmerged.
 """
 import re
 import statistics
@@ -64,6 +66,17 @@ def _short(name: str) -> str:
     return (words[-1] if words else name).split("::")[-1]
 
 
+def _covered_us(work: List[Event]) -> float:
+    """Length of the union of the events' [start, start + duration) spans."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(work, key=lambda e: e.start_us):
+        stop = e.start_us + e.duration_us
+        if stop > end:
+            total += stop - max(e.start_us, end)
+            end = stop
+    return total
+
+
 def _by_op(work: List[Event]) -> dict:
     out = Counter()
     for e in work:
@@ -88,7 +101,7 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
     return {"syncs": sum(calls.values()), "sync_calls": {k: v for k, v in sorted(calls.items()) if v},
             "d2h": sum(1 for n in copies if n.startswith("Memcpy DtoH")), "kernels": len(dev) - len(copies),
             "copies": len(copies), "launch_calls": sum(1 for n in host if n in LAUNCH_APIS),
-            "busy_us": sum(e.duration_us for e in work), "busy_us_by_op": _by_op(work),
+            "busy_us": _covered_us(work), "busy_us_by_op": _by_op(work),
             "marker": cut is not None}
 
 
