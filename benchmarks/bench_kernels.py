@@ -12,7 +12,8 @@ index_add for the reorders), at T=16384 tokens, H=7168, top-8 of 256 experts ove
 (random routing; one rank's view: what it packs, and the same rows received back). Host time per
 call: a loop of N calls at 256 x 4096 timed on the host without synchronizing, divided by N.
 Device times: calls launched back to back, each between two CUDA events (median); dispatch_pack
-is also timed from an idle GPU (host latency to the first launch included), printed below the table.
+is also timed from an idle GPU (host latency to the first launch included), printed below the table,
+with the split of each op of several kernels over them (one profiled call).
 The FP8 expert weights an optimizer step rebuilds (fp8a2a.weight_cache.fp8_weight, cache invalidated
 before each call): 8 experts of fc1 [2F, H] and fc2 [H, F], F = 2H/7 (DeepSeek-V3's 2048 at H=7168),
 row-wise (weight_quant_row) and row-wise plus the transposed copy the FP8 dgrad reads
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from fp8a2a import ops  # noqa: E402
+from fp8a2a.bench import costs  # noqa: E402
 from fp8a2a.bench.report import percentile  # noqa: E402
 from fp8a2a.reference import dequantize_reference, quantize_reference  # noqa: E402
 from fp8a2a.weight_cache import fp8_weight, invalidate_fp8_weight_cache  # noqa: E402
@@ -252,6 +254,11 @@ def run(args):
                 rec["frac_of_copy_from_idle"] = (nbytes / (rec["ms_from_idle"] / 1e3) / 1e12
                                                  / result["copy_tbps_from_idle"])
             rec["host_us"] = host_us(small_ops[name][0], device, calls)
+            if cuda:  # which kernel of an op takes its time
+                try:
+                    rec["kernel_us"] = costs.profile_call(fn, device)["busy_us_by_op"]
+                except Exception as e:  # noqa: BLE001 - a profiler failure costs the split, not the row
+                    rec["kernel_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         except (NotImplementedError, RuntimeError) as e:
             rec["error"] = str(e).splitlines()[0][:200]
         try:
@@ -313,6 +320,10 @@ def format_table(res):
     if pack.get("ms_from_idle"):
         lines.append(f"dispatch_pack timed from an idle GPU (host latency included, copy likewise): "
                      f"{pack['ms_from_idle']:.3f} ms, {pack['frac_of_copy_from_idle']:.2f} x copy")
+    for r in res["ops"]:
+        if len(r.get("kernel_us") or {}) > 1:
+            lines.append(f"{r['op']} kernels, us in one profiled call: "
+                         + ", ".join(f"{k} {u:.1f}" for k, u in r["kernel_us"].items()))
     t = res["targets"]
     for name, v in t.items():
         lines.append(f"target {name}: {_f(v['value'], '.3f' if 'vs' in name else '.2f')} (target {'>=' if 'frac' in name else '<='} "
