@@ -11,6 +11,7 @@ share one list of arm names (convergence_megatron.py imports it from here).
 import json
 import math
 import os
+import statistics
 
 from train_convergence import read_csv, write_csv  # first: it puts the repository root on sys.path
 from fp8a2a.megatron import FP8_ALLTOALL  # a name only: importing it imports no Megatron
@@ -29,6 +30,7 @@ TARGET_CI = 0.005  # the 95% t-interval inside +-0.5%
 NOISE_FACTOR = 2.0  # no seed's |gap| above twice the noise floor's largest |gap|
 TARGET_ARMS = ("B", "C")  # held to the targets; D and E reported against the same bounds
 MIN_SEEDS, MIN_STEPS = 5, 3000
+TAIL_FRAC = 0.1  # how flat a curve ends: its fall over this last part of the run
 
 # two-sided 95% quantiles of Student's t, t(0.975, df), df = 1..30
 T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
@@ -147,11 +149,27 @@ def requirements(seeds, meta):
                                          for r in runs if r["dispatcher"] == FP8_ALLTOALL))
 
 
+def tail_fall(rows, frac=TAIL_FRAC):
+    """How flat each run's curve ends: {run: v0 / v1 - 1}, v1 its last logged validation loss (the
+    logged subset) and v0 the last one logged at or before (1 - frac) of its steps."""
+    logs = {}
+    for r in rows:
+        if not math.isnan(r["val_loss"]):
+            logs.setdefault(r["run"], []).append((r["step"], r["val_loss"]))
+    out = {}
+    for run, pts in logs.items():
+        pts.sort()
+        before = [v for s, v in pts if s <= (1 - frac) * pts[-1][0]]
+        if before:
+            out[run] = before[-1] / pts[-1][1] - 1.0
+    return out
+
+
 def pct(v, signed=True):
     return "n/a" if v is None else (f"{100 * v:+.3f}%" if signed else f"{100 * v:.3f}%")
 
 
-def summary_text(table, nf, req, seeds):
+def summary_text(table, nf, req, seeds, curves=None):
     sl = sorted(seeds)
     lines = ["final validation loss (whole held-out split) against arm A (bf16 alltoall) of the same seed",
              "| arm | run | " + " | ".join(f"seed {s}" for s in sl) + " | mean | 95% t-interval | max abs | "
@@ -168,6 +186,11 @@ def summary_text(table, nf, req, seeds):
         lines.append(f"| {arm} ({t['role']}) | {t['name']} | " + " | ".join(pct(t["gaps"].get(str(s))) for s in sl)
                      + f" | {pct(t['mean'])} | {ci} | {pct(t['max_abs'], False)} | {yn(c['mean_within'])} | "
                        f"{yn(c['ci_within'])} | {yn(c['seeds_within_noise'])} | {t['ms_per_step']:.1f} |")
+    if curves and curves["fall"]:
+        f = sorted(curves["fall"].values())
+        lines.append(f"curves: the validation loss (logged subset) fell {pct(statistics.median(f), False)} "
+                     f"[{pct(f[0], False)} - {pct(f[-1], False)}] over each run's last {curves['frac']:.0%} of steps "
+                     f"(median [min - max] over {len(f)} runs)")
     lines.append("setup as measured: " + ", ".join(f"{k}={v}" for k, v in req.items()))
     return "\n".join(lines)
 
@@ -217,6 +240,7 @@ def merge(dirs, out, no_plot=False, log=print):
     rows, seeds, meta = load_dirs(dirs)
     table, nf = evaluate(seeds)
     req = requirements(seeds, meta)
+    curves = dict(frac=TAIL_FRAC, fall=tail_fall(rows))
     targets = [t["meets_targets"] for a, t in table.items() if a in TARGET_ARMS]
     verdict = ("n/a: arms B and C missing" if not targets else
                "n/a: too few seeds for an interval, or no noise floor" if None in targets else
@@ -227,13 +251,13 @@ def merge(dirs, out, no_plot=False, log=print):
                   gap="final val loss (whole held-out split) / that of arm A of the same seed - 1",
                   targets=dict(target_arms=list(TARGET_ARMS), abs_mean_max=TARGET_MEAN, ci95_within=TARGET_CI,
                                seed_gap_max_over_noise_max=NOISE_FACTOR),
-                  noise_floor=nf, arms=table, requirements=req,
+                  noise_floor=nf, arms=table, requirements=req, curves=curves,
                   per_seed={str(s): dict(runs=a, dirs=meta[s]) for s, a in sorted(seeds.items())})
     os.makedirs(out, exist_ok=True)
     write_csv(rows, os.path.join(out, "convergence.csv"))
     with open(os.path.join(out, "convergence_summary.json"), "w") as f:
         json.dump(merged, f, indent=2)
-    text = summary_text(table, nf, req, seeds) + f"\nverdict: {verdict}\n"
+    text = summary_text(table, nf, req, seeds, curves) + f"\nverdict: {verdict}\n"
     with open(os.path.join(out, "convergence_summary.txt"), "w") as f:
         f.write(text)
     log(text)

@@ -250,6 +250,10 @@ def test_megatron_merge_t_interval(tmp_path):
     assert m["requirements"]["seeds_per_arm"] == dict(B=5, C=5, D=0, E=0, noise=5)
     text = (out / "convergence_summary.txt").read_text()
     assert "+0.050%" in text and "[-0.089%, +0.189%]" in text
+    # how flat the curves end: val at step 2000 (the last log at or before 90% of 3000) over the last
+    a1 = 1.01 + 500 / 2000, 1.01 + 500 / 3000
+    assert m["curves"]["frac"] == 0.1 and m["curves"]["fall"]["bf16_seed1"] == pytest.approx(a1[0] / a1[1] - 1)
+    assert len(m["curves"]["fall"]) == len({r["run"] for r in rows}) and "over each run's last 10% of steps" in text
     if importlib.util.find_spec("matplotlib"):
         assert (out / "convergence.png").stat().st_size > 0
 
