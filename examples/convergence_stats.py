@@ -151,16 +151,17 @@ def requirements(seeds, meta):
 
 def tail_fall(rows, frac=TAIL_FRAC):
     """How flat each run's curve ends: {run: v0 / v1 - 1}, v1 its last logged validation loss (the
-    logged subset) and v0 the last one logged at or before (1 - frac) of its steps."""
+    logged subset) and v0 the last one logged at or before (1 - frac) of its steps; negative: it
+    rose. A step logged twice (a resumed run) keeps its later row; a run whose last log is not
+    finite, or with no log before the cut, is left out (the summary counts the runs it covers)."""
     logs = {}
     for r in rows:
-        if not math.isnan(r["val_loss"]):
-            logs.setdefault(r["run"], []).append((r["step"], r["val_loss"]))
+        logs.setdefault(r["run"], {})[r["step"]] = r["val_loss"]
     out = {}
-    for run, pts in logs.items():
-        pts.sort()
-        before = [v for s, v in pts if s <= (1 - frac) * pts[-1][0]]
-        if before:
+    for run, by_step in logs.items():
+        pts = sorted(by_step.items())
+        before = [v for s, v in pts if s <= (1 - frac) * pts[-1][0] and s < pts[-1][0]]
+        if before and math.isfinite(pts[-1][1]):
             out[run] = before[-1] / pts[-1][1] - 1.0
     return out
 
@@ -188,9 +189,9 @@ def summary_text(table, nf, req, seeds, curves=None):
                        f"{yn(c['ci_within'])} | {yn(c['seeds_within_noise'])} | {t['ms_per_step']:.1f} |")
     if curves and curves["fall"]:
         f = sorted(curves["fall"].values())
-        lines.append(f"curves: the validation loss (logged subset) fell {pct(statistics.median(f), False)} "
-                     f"[{pct(f[0], False)} - {pct(f[-1], False)}] over each run's last {curves['frac']:.0%} of steps "
-                     f"(median [min - max] over {len(f)} runs)")
+        lines.append(f"curves: over each run's last {curves['frac']:.0%} of steps its validation loss (logged subset) "
+                     f"fell by {pct(statistics.median(f))} [{pct(f[0])}, {pct(f[-1])}] (median [min, max] over "
+                     f"{len(f)} of {curves['runs']} runs; negative: it rose)")
     lines.append("setup as measured: " + ", ".join(f"{k}={v}" for k, v in req.items()))
     return "\n".join(lines)
 
@@ -240,7 +241,7 @@ def merge(dirs, out, no_plot=False, log=print):
     rows, seeds, meta = load_dirs(dirs)
     table, nf = evaluate(seeds)
     req = requirements(seeds, meta)
-    curves = dict(frac=TAIL_FRAC, fall=tail_fall(rows))
+    curves = dict(frac=TAIL_FRAC, fall=tail_fall(rows), runs=len({r["run"] for r in rows}))
     targets = [t["meets_targets"] for a, t in table.items() if a in TARGET_ARMS]
     verdict = ("n/a: arms B and C missing" if not targets else
                "n/a: too few seeds for an interval, or no noise floor" if None in targets else

@@ -301,13 +301,16 @@ def test_costs_without_marker_take_off_the_final_device_sync():
 def test_costs_busy_time_merges_overlapping_device_work():
     ev = [costs.Event("void ns::(anonymous namespace)::pack_kernel<true, 4>(ns::Params)", True, 1, duration_us=10.0),
           costs.Event("ns::pack_kernel<false>(int)", True, 12, duration_us=5.0),
-          costs.Event("ns::unpack_kernel(int)", True, 14, duration_us=2.0),  # launched early: overlaps
+          costs.Event("ns::unpack_kernel(int)", True, 14, duration_us=2.0),  # launched early: inside 12-17
+          costs.Event("ns::scan_kernel(int)", True, 16, duration_us=3.0),  # launched early: overlaps 16-17
+          costs.Event("ns::empty_kernel(int)", True, 18, duration_us=0.0),
           costs.Event("Memcpy DtoH (Device -> Pageable)", True, 20, duration_us=2.0),
           costs.Event("my_range", True, 1, annotation=True, duration_us=50.0),  # a range, not work
           costs.Event("cudaLaunchKernel", False, 0, duration_us=7.0)]  # host time, not device work
     c = costs.count(ev)
-    assert c["busy_us"] == 17.0  # 1-11, 12-17 and 20-22: the overlapping 14-16 counts once
-    assert c["busy_us_by_op"] == {"pack_kernel": 15.0, "unpack_kernel": 2.0, "Memcpy DtoH": 2.0}
+    assert c["busy_us"] == 19.0  # 1-11, 12-19 and 20-22: the overlapping 14-16 and 16-17 count once
+    assert c["busy_us_by_op"] == {"pack_kernel": 15.0, "unpack_kernel": 2.0, "scan_kernel": 3.0, "empty_kernel": 0.0,
+                                  "Memcpy DtoH": 2.0}
 
 
 def test_costs_timing_and_spread_on_the_cpu():

@@ -253,7 +253,15 @@ def test_megatron_merge_t_interval(tmp_path):
     # how flat the curves end: val at step 2000 (the last log at or before 90% of 3000) over the last
     a1 = 1.01 + 500 / 2000, 1.01 + 500 / 3000
     assert m["curves"]["frac"] == 0.1 and m["curves"]["fall"]["bf16_seed1"] == pytest.approx(a1[0] / a1[1] - 1)
-    assert len(m["curves"]["fall"]) == len({r["run"] for r in rows}) and "over each run's last 10% of steps" in text
+    assert len(m["curves"]["fall"]) == m["curves"]["runs"] == len({r["run"] for r in rows})
+    assert "over each run's last 10% of steps" in text
+    # a resumed run's repeated log keeps its later row; a run that ends on NaN or has one log is left out
+    sys.path.insert(0, os.path.dirname(MEGATRON_SCRIPT))
+    import convergence_stats
+    tail = [dict(run="r", step=s, train_loss=0.0, val_loss=v) for s, v in ((900, 3.0), (1000, 9.0), (1000, 2.0))]
+    tail += [dict(run="nan", step=s, train_loss=0.0, val_loss=v) for s, v in ((900, 1.0), (1000, float("nan")))]
+    tail += [dict(run="one", step=1000, train_loss=0.0, val_loss=1.0)]
+    assert convergence_stats.tail_fall(tail) == {"r": pytest.approx(0.5)}
     if importlib.util.find_spec("matplotlib"):
         assert (out / "convergence.png").stat().st_size > 0
 
