@@ -69,11 +69,12 @@ def expert_weights(*groups):
     return out
 
 
-def _slot(weight, kind):
-    """(sources, the cache dict, the key of `kind` now, or None where nothing may be cached)."""
+def _slot(weight):
+    """(sources, the cache dict, the key of the weight's state now: every kind cached under this key
+    is valid; None where nothing may be cached)."""
     sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
     versions = tuple(_weight_version(t) for t in sources)
-    key = None if None in versions else (kind, versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources),
+    key = None if None in versions else (versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources),
                                          weight.device, tuple(weight.shape))
     return sources, sources[0].__dict__.setdefault("_fp8a2a_cache", {}), key
 
@@ -83,7 +84,7 @@ def _cached(weight, kind, build):
     stand-in) under kind. The one validity rule: recomputed when a version counter or storage of a
     source changes, after every optimizer step (fused optimizers do not bump versions) and after
     invalidate_fp8_weight_cache(); never cached for inference tensors (no version counter)."""
-    sources, cache, key = _slot(weight, kind)
+    sources, cache, key = _slot(weight)
     if key is not None and cache.get(kind, (None,))[0] == key:
         return cache[kind][1]
     cache.pop(kind, None)  # free the stale copy before building its successor
@@ -92,14 +93,6 @@ def _cached(weight, kind, build):
     if key is not None:
         cache[kind] = (key, out)
     return out
-
-
-def _put(weight, kind, value):
-    """Cache value under kind as _cached would have after building it."""
-    _, cache, key = _slot(weight, kind)
-    cache.pop(kind, None)
-    if key is not None:
-        cache[kind] = (key, value)
 
 
 def _lazy(weight) -> bool:
@@ -156,18 +149,17 @@ def fp8_weight(weight: torch.Tensor, transposed: bool = False, with_transposed: 
     and caches it for the backward, both from one read less of the weights on CUDA
     (triton_kernels.expert_weight_quant_both)."""
     if with_transposed and not transposed:
-        _, cache, key = _slot(weight, False)
+        _, cache, key = _slot(weight)
         hit = cache.get(False, (None,))
         if key is not None and hit[0] == key:  # cached (the usual micro-batch): one key computed, not two
             return hit[1]
-        if key is not None:  # to be built, and cacheable
+        if key is not None:  # to be built, and cacheable: both kinds from one build, under _cached's rule
             cache.pop(False, None)  # free the stale copies before building their successors
             cache.pop(True, None)
             row, t = _cached(weight, "both", lambda sources: _fast_weight_quant(weight, sources, "both")
                              or (_build(weight, sources, False), _build(weight, sources, True)))
-            cache.pop("both", None)  # the pair lives on as the two kinds
-            _put(weight, True, t)
-            _put(weight, False, row)
+            del cache["both"]  # the pair lives on as the two kinds, under the same key
+            cache[False], cache[True] = (key, row), (key, t)
             return row
     return _cached(weight, transposed, lambda sources: _fast_weight_quant(weight, sources, transposed)
                    or _build(weight, sources, transposed))
