@@ -96,6 +96,16 @@ def _forward_ad_active() -> bool:
     return forward_ad._current_level >= 0
 
 
+def _differentiable(*tensors) -> bool:
+    """Whether a call must go through its autograd Function: grad mode and an input (None: absent)
+    that requires grad, or a forward-AD level entered."""
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    return _forward_ad_active()
+
+
 # Every tensor op called from Python is a host-side dispatch (and a launch on the GPU), even when it
 # returns its input unchanged: the helpers below call one only when it changes something.
 
@@ -344,9 +354,7 @@ class Dispatcher:
             raise
         # The autograd Function runs its forward without grad mode: without it, so must every input
         # (the tensor scale included), or an output could carry a history the Function's would not.
-        scale_needs_grad = self.tensor_scale is not None and self.tensor_scale.requires_grad
-        if (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or scale_needs_grad)
-                or _forward_ad_active()):
+        if _differentiable(x, topk_weights, self.tensor_scale):
             rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
             anchor = rows if rows.requires_grad else None
         else:  # nothing to differentiate: skip the Function's bookkeeping, a host cost on every call
@@ -377,8 +385,7 @@ class Dispatcher:
         weights = handle.weights if apply_weights else None
         if expert_out.dtype != handle.dtype:
             expert_out = expert_out.to(handle.dtype)
-        if (torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad))
-                or _forward_ad_active()):
+        if _differentiable(expert_out, weights):
             return _CombineFn.apply(expert_out, weights, handle)
         return _combine_rows(expert_out, weights, handle)  # nothing to differentiate: no Function
 
