@@ -465,39 +465,54 @@ def _weight_quant_rows_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, part_ptr, N, K, s_e,
     blk = tl.program_id(0) % NB
     src0 = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC)
     c = tl.arange(0, BLOCK)
-    col_max = tl.zeros([BLOCK], dtype=tl.float32)
-    col_nan = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in range(ROWS):
-        n = blk * ROWS + r
-        live = n < N
-        src = src0 + n.to(tl.int64) * s_n
-        row = e.to(tl.int64) * N + n
-        qr = q_ptr + row * K
-        if ONE_PASS:  # the row fits the block: one read
+    if PARTS:  # ONE_PASS, ROWS rows one after another
+        col_max = tl.zeros([BLOCK], dtype=tl.float32)
+        col_nan = tl.zeros([BLOCK], dtype=tl.float32)
+        n0 = blk * ROWS
+        nxt = tl.load(src0 + n0.to(tl.int64) * s_n + c, mask=(c < K) & (n0 < N), other=0.0)
+        for r in range(ROWS):
+            n = n0 + r
+            v = nxt.to(tl.float32)
+            # the next row's load goes out before this row's reductions: one row in flight per
+            # program left the pass bound by memory latency
+            nxt = tl.load(src0 + (n + 1).to(tl.int64) * s_n + c, mask=(c < K) & (n + 1 < N) & (r + 1 < ROWS),
+                          other=0.0)
+            live = n < N
             ok = (c < K) & live
-            v = tl.load(src + c, mask=ok, other=0.0).to(tl.float32)
+            row = e.to(tl.int64) * N + n
             qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0) + _nan_of(v, 0))
-            tl.store(qr + c, (v * qmul).to(tl.float8e4nv), mask=ok)
-            if PARTS:
-                col_max = tl.maximum(col_max, tl.abs(v))
-                col_nan += tl.where(v != v, v, 0.0)
-        else:
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
-            nan = tl.zeros([BLOCK], dtype=tl.float32)
-            for off in range(0, K, BLOCK):  # pass 1: the row's amax
-                cc = off + c
-                v = tl.load(src + cc, mask=(cc < K) & live, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(v))
-                nan += tl.where(v != v, v, 0.0)
-            qmul, scale = _scale_rule(tl.max(amax, axis=0) + _nan_of(nan, 0))
-            for off in range(0, K, BLOCK):  # pass 2: quantize (the row is read again from L2)
-                cc = off + c
-                ok = (cc < K) & live
-                v = tl.load(src + cc, mask=ok, other=0.0).to(tl.float32)
-                tl.store(qr + cc, (v * qmul).to(tl.float8e4nv), mask=ok)
-        tl.store(s_ptr + row, scale, mask=live)
-    if PARTS:
+            tl.store(q_ptr + row * K + c, (v * qmul).to(tl.float8e4nv), mask=ok)
+            tl.store(s_ptr + row, scale, mask=live)
+            col_max = tl.maximum(col_max, tl.abs(v))
+            col_nan += tl.where(v != v, v, 0.0)
         tl.store(part_ptr + (e.to(tl.int64) * NB + blk) * K + c, col_max + col_nan, mask=c < K)
+    else:
+        for r in range(ROWS):
+            n = blk * ROWS + r
+            live = n < N
+            src = src0 + n.to(tl.int64) * s_n
+            row = e.to(tl.int64) * N + n
+            qr = q_ptr + row * K
+            if ONE_PASS:  # the row fits the block: one read
+                ok = (c < K) & live
+                v = tl.load(src + c, mask=ok, other=0.0).to(tl.float32)
+                qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0) + _nan_of(v, 0))
+                tl.store(qr + c, (v * qmul).to(tl.float8e4nv), mask=ok)
+            else:
+                amax = tl.zeros([BLOCK], dtype=tl.float32)
+                nan = tl.zeros([BLOCK], dtype=tl.float32)
+                for off in range(0, K, BLOCK):  # pass 1: the row's amax
+                    cc = off + c
+                    v = tl.load(src + cc, mask=(cc < K) & live, other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.abs(v))
+                    nan += tl.where(v != v, v, 0.0)
+                qmul, scale = _scale_rule(tl.max(amax, axis=0) + _nan_of(nan, 0))
+                for off in range(0, K, BLOCK):  # pass 2: quantize (the row is read again from L2)
+                    cc = off + c
+                    ok = (cc < K) & live
+                    v = tl.load(src + cc, mask=ok, other=0.0).to(tl.float32)
+                    tl.store(qr + cc, (v * qmul).to(tl.float8e4nv), mask=ok)
+            tl.store(s_ptr + row, scale, mask=live)
 
 
 @triton.jit
@@ -542,6 +557,7 @@ def _weight_quant_t_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, part_ptr, N, K, s_e, s_
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _T_BM, _T_BC = 512, 64  # the transposed copy's tile: the fastest of 48 measured on an H200 (BENCHMARKS.md)
+_T_BM_PARTS = 256  # its tile when scaling from the row-wise pass's column amaxes (one read, not two)
 _PART_ROWS = 32  # rows per program when the row-wise pass leaves column amaxes (a sixteenth of the reads)
 
 
@@ -610,10 +626,10 @@ def expert_weight_quant_both(w):
     parts = torch.empty((E, nb, K), device=x.device, dtype=torch.float32)
     tab_ = tab if tab is not None else row_s
     blk = max(128, triton.next_power_of_2(K))
-    # 16 warps at a full 8192-column row: 8 would hold it, its column amaxes and NaNs in 169 registers
+    # a warp per 512 columns: the row in flight, the next one, the column amaxes and NaNs (16 warps
+    # at 8192 columns; 8 would take 169 registers)
     _weight_quant_rows_kernel[(E * nb,)](x, tab_, row, row_s, parts, N, K, s_e, s_n, PTRS=ptrs, VEC=vec, BLOCK=blk,
-                                         ONE_PASS=True, ROWS=_PART_ROWS, PARTS=True,
-                                         num_warps=16 if blk >= 8192 else 8)
+                                         ONE_PASS=True, ROWS=_PART_ROWS, PARTS=True, num_warps=max(4, blk // 512))
     _weight_quant_t_kernel[(triton.cdiv(K, _T_BC), E)](x, tab_, t, t_s, parts, N, K, s_e, s_n, nb, PTRS=ptrs,
-                                                       VEC=vec, BM=_T_BM, BC=_T_BC, PARTS=True, num_warps=8)
+                                                       VEC=vec, BM=_T_BM_PARTS, BC=_T_BC, PARTS=True, num_warps=8)
     return (row, row_s), (t, t_s)
