@@ -465,7 +465,8 @@ def _weight_quant_rows_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, part_ptr, N, K, s_e,
     blk = tl.program_id(0) % NB
     src0 = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC)
     c = tl.arange(0, BLOCK)
-    if PARTS:  # ONE_PASS, ROWS rows one after another
+    if PARTS:  # ROWS rows one after another, each in one read
+        tl.static_assert(ONE_PASS)
         col_max = tl.zeros([BLOCK], dtype=tl.float32)
         col_nan = tl.zeros([BLOCK], dtype=tl.float32)
         n0 = blk * ROWS
