@@ -74,21 +74,27 @@ def gap(run, ref):
 
 def load_dirs(dirs):
     """Rows and {seed: {arm: run stats}} of per-seed output dirs (several dirs may share a seed, each
-    with other arms); checks one step count per seed and one initialization per seed."""
-    rows, seeds, meta = [], {}, {}
+    with other arms; a run the deadline cut gives way to a complete run of its arm in another dir, and
+    its rows go with it); checks one step count per seed and one initialization per seed."""
+    rows, seeds, meta, found = [], {}, {}, {}
     for d in dirs:
         with open(os.path.join(d, "summary.json")) as f:
             m = json.load(f)
         seed = int(m["seed"])
-        rows += read_csv(os.path.join(d, "convergence.csv"))
-        arms = seeds.setdefault(seed, {})
+        seeds.setdefault(seed, {})
         for run, s in m["runs"].items():
-            if s["arm"] in arms:
-                raise ValueError(f"{d}: arm {s['arm']} of seed {seed} appears twice")
-            arms[s["arm"]] = dict(s, run=run, dir=d)
+            found.setdefault((seed, s["arm"]), []).append(dict(s, run=run, dir=d))
         meta.setdefault(seed, []).append(dict(dir=d, steps=m.get("steps"), device=m.get("device"),
                                               versions=m.get("versions"), config=m.get("config"),
                                               corpus=m.get("corpus"), skipped=m.get("skipped")))
+    for (seed, arm), runs in found.items():
+        complete = [r for r in runs if not r.get("truncated")]
+        if len(runs) > 1 and len(complete) != 1:
+            raise ValueError(f"arm {arm} of seed {seed} appears twice: {[r['dir'] for r in runs]}")
+        seeds[seed][arm] = complete[0] if complete else runs[0]
+    kept = {(r["dir"], r["run"]) for arms in seeds.values() for r in arms.values()}
+    for d in dirs:
+        rows += [r for r in read_csv(os.path.join(d, "convergence.csv")) if (d, r["run"]) in kept]
     for seed, arms in seeds.items():
         if len({round(s["init_checksum"], 3) for s in arms.values()}) > 1:
             raise ValueError(f"seed {seed}: the arms start from different weights "
@@ -129,8 +135,16 @@ def evaluate(seeds):
     return out, nf
 
 
+def complete(seeds):
+    """{seed: {arm: run}} without the runs the deadline cut."""
+    return {s: {x: r for x, r in a.items() if not r.get("truncated")} for s, a in seeds.items()}
+
+
 def requirements(seeds, meta):
-    """The issue's setup, as measured (not assumed)."""
+    """The issue's setup, as measured (not assumed), from the complete runs: a run the deadline cut
+    counts only in truncated_runs."""
+    cut = sum(1 for a in seeds.values() for r in a.values() if r.get("truncated"))
+    seeds = complete(seeds)
     runs = [r for a in seeds.values() for r in a.values()]
     cfgs = [m["config"] for ms in meta.values() for m in ms if m.get("config")]
     te = [r.get("te_fp8") or {} for r in runs]
@@ -138,7 +152,7 @@ def requirements(seeds, meta):
     paired = [s for s, a in seeds.items() if "A" in a and "noise" in a]
     per_arm = {x: sum(1 for a in seeds.values() if x in a and "A" in a) for x in ARMS if x != "A"}
     one = lambda key: len({json.dumps(m.get(key), sort_keys=True) for ms in meta.values() for m in ms}) <= 1  # noqa: E731
-    return dict(seeds=sorted(seeds), seeds_with_a_and_noise=len(paired), seeds_per_arm=per_arm,
+    return dict(seeds=sorted(seeds), truncated_runs=cut, seeds_with_a_and_noise=len(paired), seeds_per_arm=per_arm,
                 enough_seeds=min(per_arm[x] for x in ("noise", *TARGET_ARMS)) >= MIN_SEEDS,
                 min_steps=min((r["steps"] for r in runs), default=0),
                 enough_steps=min((r["steps"] for r in runs), default=0) >= MIN_STEPS,
@@ -208,19 +222,23 @@ def plot(rows, seeds, path):
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
     for k, arm in enumerate(ARMS):
         curves = [by.get(run_name(arm, s), {}) for s in seeds if arm in seeds[s]]
-        refs = [by.get(run_name("A", s), {}) for s in seeds if arm in seeds[s]]
+        paired = [s for s in seeds if arm in seeds[s] and "A" in seeds[s]]
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         if not steps:
             continue
         kw = dict(color=f"C{k}", label=f"{arm}: {ARMS[arm][0]} ({len(curves)} seeds)")
+        gap_kw = dict(kw, label=f"{arm}: {ARMS[arm][0]} ({len(paired)} seeds)")
         vals = [[c[s] for c in curves] for s in steps]
         a.plot(steps, [sum(v) / len(v) for v in vals], **kw)
         a.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=f"C{k}", alpha=0.2)
         if arm == "A":
             continue
-        gs = [s for s in steps if all(s in r for r in refs)]
-        g = [[100 * (c[s] / r[s] - 1) for c, r in zip(curves, refs)] for s in gs]
-        b.plot(gs, [sum(v) / len(v) for v in g], **kw)
+        pairs = [(by.get(run_name(arm, s), {}), by.get(run_name("A", s), {})) for s in paired]
+        gs = [s for s in steps if all(s in r for _, r in pairs)]
+        if not pairs or not gs:
+            continue
+        g = [[100 * (c[s] / r[s] - 1) for c, r in pairs] for s in gs]
+        b.plot(gs, [sum(v) / len(v) for v in g], **gap_kw)
         b.fill_between(gs, [min(v) for v in g], [max(v) for v in g], color=f"C{k}", alpha=0.15)
     a.set_xlabel("step"), a.set_ylabel("val loss (nats/byte)"), a.set_title("validation loss, mean over seeds (band: min-max)")
     lo = min((r["val_loss"] for r in rows), default=0)
@@ -241,7 +259,9 @@ def merge(dirs, out, no_plot=False, log=print):
     rows, seeds, meta = load_dirs(dirs)
     table, nf = evaluate(seeds)
     req = requirements(seeds, meta)
-    curves = dict(frac=TAIL_FRAC, fall=tail_fall(rows), runs=len({r["run"] for r in rows}))
+    done = {r["run"] for a in complete(seeds).values() for r in a.values()}
+    rows = [r for r in rows if r["run"] in done]  # a cut run's curve ends early: the seed's dir keeps it
+    curves = dict(frac=TAIL_FRAC, fall=tail_fall(rows), runs=len(done))
     targets = [t["meets_targets"] for a, t in table.items() if a in TARGET_ARMS]
     verdict = ("n/a: arms B and C missing" if not targets else
                "n/a: too few seeds for an interval, or no noise floor" if None in targets else
@@ -264,7 +284,7 @@ def merge(dirs, out, no_plot=False, log=print):
     log(text)
     if not no_plot:
         try:
-            plot(rows, seeds, os.path.join(out, "convergence.png"))
+            plot(rows, complete(seeds), os.path.join(out, "convergence.png"))
         except ImportError:
             log("matplotlib missing: no plot")
     return merged

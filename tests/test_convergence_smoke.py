@@ -180,9 +180,9 @@ def test_megatron_run_continues_from_its_checkpoint(tmp_path):
     assert other.returncode != 0 and "another configuration or step count" in other.stdout + other.stderr
 
 
-def synthetic_seed_dir(path, seed, gaps, steps=3000, checksum=123.0):
+def synthetic_seed_dir(path, seed, gaps, steps=3000, checksum=123.0, truncated=()):
     """A per-seed output dir as convergence_megatron.py writes it: arm A's final val loss, and the
-    others' at A's times (1 + gap)."""
+    others' at A's times (1 + gap); the arms in `truncated` cut by the deadline at 2/3 of the steps."""
     names = {"A": "bf16", "B": "fp8_row", "C": "fp8_block128", "D": "fp8_experts", "noise": "bf16_order2"}
     ref = 1.0 + 0.01 * seed
     path.mkdir(parents=True)
@@ -191,13 +191,15 @@ def synthetic_seed_dir(path, seed, gaps, steps=3000, checksum=123.0):
         v = ref * (1 + g)
         run = f"{names[arm]}_seed{seed}"
         fp8 = arm in ("B", "C", "D")
+        cut = arm in truncated
         runs[run] = dict(arm=arm, name=names[arm], dispatcher="fp8_alltoall" if fp8 else "alltoall",
                          options={"granularity": "block128" if arm == "C" else "row"} if fp8 else {},
-                         steps=steps, truncated=False, ms_per_step=10.0, final_val_loss=v,
+                         steps=steps * 2 // 3 if cut else steps, truncated=cut, ms_per_step=10.0, final_val_loss=v,
                          init_checksum=checksum, fp8_wire=fp8,
                          wire_granularity=(["block128"] if arm == "C" else ["row"]) if fp8 else [],
                          te_fp8=dict(enabled=True, recipe="Float8BlockScaling"))
-        rows += [dict(run=run, step=s, train_loss=v + 1000 / s, val_loss=v + 500 / s) for s in (1000, 2000, 3000)]
+        rows += [dict(run=run, step=s, train_loss=v + 1000 / s, val_loss=v + 500 / s)
+                 for s in (1000, 2000, 3000)[:2 if cut else 3]]
     write_csv(rows, path / "convergence.csv")
     config = dict(layers=4, hidden=512, experts=16, topk=4)
     (path / "summary.json").write_text(json.dumps(dict(seed=seed, steps=steps, config=config, runs=runs)))
@@ -205,7 +207,8 @@ def synthetic_seed_dir(path, seed, gaps, steps=3000, checksum=123.0):
 
 
 def test_megatron_merge_t_interval(tmp_path):
-    """--merge of 5 synthetic seeds (seed 3 split over two dirs): the per-seed gaps against arm A of
+    """--merge of 5 synthetic seeds (seed 3 split over two dirs, where a complete arm C replaces the
+    one the deadline cut, rows and all): the per-seed gaps against arm A of
     the same seed, their mean, sd and 95% t-interval (t(0.975, 4) = 2.776), the noise floor, and the
     target checks (B meets all; C fails |mean| <= 0.25% and the 2x-noise bound)."""
     b = [0.001, -0.001, 0.002, 0.0, 0.0005]
@@ -214,9 +217,10 @@ def test_megatron_merge_t_interval(tmp_path):
     dirs = []
     for k, seed in enumerate((1, 2, 3, 4, 5)):
         gaps = dict(A=0.0, B=b[k], C=c[k], noise=noise[k])
-        if seed == 3:  # arm C of seed 3 ran in another session
-            dirs.append(synthetic_seed_dir(tmp_path / "s3c", seed, dict(C=gaps.pop("C"))))
-        dirs.append(synthetic_seed_dir(tmp_path / f"s{seed}", seed, gaps))
+        if seed == 3:  # arm C of seed 3 was cut, then ran again in another session
+            dirs.append(synthetic_seed_dir(tmp_path / "s3c", seed, dict(C=gaps["C"])))
+            gaps["C"] += 0.05
+        dirs.append(synthetic_seed_dir(tmp_path / f"s{seed}", seed, gaps, truncated="C" if seed == 3 else ()))
     out = tmp_path / "merged"
     run_megatron_example("--merge", *dirs, "--out", str(out), "--quiet")
     m = json.loads((out / "convergence_summary.json").read_text())
@@ -224,6 +228,7 @@ def test_megatron_merge_t_interval(tmp_path):
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["run", "step", "train_loss", "val_loss"]
     assert {r["run"] for r in rows} >= {"bf16_seed1", "fp8_row_seed5", "fp8_block128_seed3", "bf16_order2_seed2"}
+    assert [r["step"] for r in rows if r["run"] == "fp8_block128_seed3"] == ["1000", "2000", "3000"]
     assert m["seeds"] == [1, 2, 3, 4, 5]
 
     B = m["arms"]["B"]
@@ -248,6 +253,7 @@ def test_megatron_merge_t_interval(tmp_path):
     assert "D" not in m["arms"] and m["verdict"] == "targets NOT met"
     assert all(v for k, v in m["requirements"].items() if isinstance(v, bool)), m["requirements"]
     assert m["requirements"]["seeds_per_arm"] == dict(B=5, C=5, D=0, E=0, noise=5)
+    assert m["requirements"]["truncated_runs"] == 0  # seed 3's cut arm C gave way
     text = (out / "convergence_summary.txt").read_text()
     assert "+0.050%" in text and "[-0.089%, +0.189%]" in text
     # how flat the curves end: val at step 2000 (the last log at or before 90% of 3000) over the last
@@ -270,7 +276,17 @@ def test_megatron_merge_t_interval(tmp_path):
     two_doc = json.loads((tmp_path / "two" / "convergence_summary.json").read_text())
     assert two_doc["arms"]["B"]["t"] == pytest.approx(12.706, abs=1e-3), two.stdout
     assert two_doc["requirements"]["enough_seeds"] is False and "falls short" in two_doc["verdict"]
+    # a cut run with nothing to replace it: no gap, no seed, no curve; counted as cut
+    cut = synthetic_seed_dir(tmp_path / "cut", 6, dict(A=0.0, B=0.001), truncated="B")
+    three = run_megatron_example("--merge", dirs[0], dirs[1], cut, "--out", str(tmp_path / "three"), "--quiet")
+    req = json.loads((tmp_path / "three" / "convergence_summary.json").read_text())
+    assert "6" not in req["arms"]["B"]["gaps"] and req["requirements"]["truncated_runs"] == 1, three.stdout
+    assert req["requirements"]["seeds_per_arm"]["B"] == 2 and req["requirements"]["min_steps"] == 3000
+    assert "fp8_row_seed6" not in req["curves"]["fall"] and "bf16_seed6" in req["curves"]["fall"]
     odd = synthetic_seed_dir(tmp_path / "odd", 9, dict(A=0.0), checksum=1.0)
     odd_b = synthetic_seed_dir(tmp_path / "odd_b", 9, dict(B=0.001), checksum=2.0)
     done = run_megatron_example("--merge", odd, odd_b, "--out", str(tmp_path / "bad"), check=False)
     assert done.returncode != 0 and "different weights" in done.stderr
+    # the same arm complete in two dirs: refused, not picked
+    twice = run_megatron_example("--merge", dirs[0], dirs[0], "--out", str(tmp_path / "twice"), check=False)
+    assert twice.returncode != 0 and "appears twice" in twice.stderr
