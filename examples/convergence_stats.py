@@ -74,8 +74,9 @@ def gap(run, ref):
 
 def load_dirs(dirs):
     """Rows and {seed: {arm: run stats}} of per-seed output dirs (several dirs may share a seed, each
-    with other arms; a run the deadline cut gives way to a complete run of its arm in another dir, and
-    its rows go with it); checks one step count per seed and one initialization per seed."""
+    with other arms). A run the deadline cut gives way to a complete run of its arm in another dir
+    (which lists it in `replaces`), and its rows go with it; of several cut runs of one arm, the
+    longest stays. Checks one step count per seed and one initialization per seed."""
     rows, seeds, meta, found = [], {}, {}, {}
     for d in dirs:
         with open(os.path.join(d, "summary.json")) as f:
@@ -88,10 +89,12 @@ def load_dirs(dirs):
                                               versions=m.get("versions"), config=m.get("config"),
                                               corpus=m.get("corpus"), skipped=m.get("skipped")))
     for (seed, arm), runs in found.items():
-        complete = [r for r in runs if not r.get("truncated")]
-        if len(runs) > 1 and len(complete) != 1:
-            raise ValueError(f"arm {arm} of seed {seed} appears twice: {[r['dir'] for r in runs]}")
-        seeds[seed][arm] = complete[0] if complete else runs[0]
+        done = [r for r in runs if not r.get("truncated")]
+        if len(done) > 1:
+            raise ValueError(f"arm {arm} of seed {seed} appears twice: {[r['dir'] for r in done]}")
+        keep = done[0] if done else max(runs, key=lambda r: r["steps"])
+        keep["replaces"] = [r["dir"] for r in runs if r is not keep]
+        seeds[seed][arm] = keep
     kept = {(r["dir"], r["run"]) for arms in seeds.values() for r in arms.values()}
     for d in dirs:
         rows += [r for r in read_csv(os.path.join(d, "convergence.csv")) if (d, r["run"]) in kept]
@@ -136,14 +139,18 @@ def evaluate(seeds):
 
 
 def complete(seeds):
-    """{seed: {arm: run}} without the runs the deadline cut."""
-    return {s: {x: r for x, r in a.items() if not r.get("truncated")} for s, a in seeds.items()}
+    """{seed: {arm: run}} without the runs the deadline cut, and without the seeds left empty."""
+    done = {s: {x: r for x, r in a.items() if not r.get("truncated")} for s, a in seeds.items()}
+    return {s: a for s, a in done.items() if a}
 
 
 def requirements(seeds, meta):
-    """The issue's setup, as measured (not assumed), from the complete runs: a run the deadline cut
-    counts only in truncated_runs."""
-    cut = sum(1 for a in seeds.values() for r in a.values() if r.get("truncated"))
+    """The issue's setup, as measured (not assumed), from the complete runs: the runs the deadline
+    cut count only in truncated_runs (left out) and replaced_runs (a complete run of the arm took
+    their place)."""
+    runs = [r for a in seeds.values() for r in a.values()]
+    cut = sum(1 for r in runs if r.get("truncated")) + sum(len(r["replaces"]) for r in runs if r.get("truncated"))
+    replaced = sum(len(r["replaces"]) for r in runs if not r.get("truncated"))
     seeds = complete(seeds)
     runs = [r for a in seeds.values() for r in a.values()]
     cfgs = [m["config"] for ms in meta.values() for m in ms if m.get("config")]
@@ -152,7 +159,7 @@ def requirements(seeds, meta):
     paired = [s for s, a in seeds.items() if "A" in a and "noise" in a]
     per_arm = {x: sum(1 for a in seeds.values() if x in a and "A" in a) for x in ARMS if x != "A"}
     one = lambda key: len({json.dumps(m.get(key), sort_keys=True) for ms in meta.values() for m in ms}) <= 1  # noqa: E731
-    return dict(seeds=sorted(seeds), truncated_runs=cut, seeds_with_a_and_noise=len(paired), seeds_per_arm=per_arm,
+    return dict(seeds=sorted(seeds), truncated_runs=cut, replaced_runs=replaced, seeds_with_a_and_noise=len(paired), seeds_per_arm=per_arm,
                 enough_seeds=min(per_arm[x] for x in ("noise", *TARGET_ARMS)) >= MIN_SEEDS,
                 min_steps=min((r["steps"] for r in runs), default=0),
                 enough_steps=min((r["steps"] for r in runs), default=0) >= MIN_STEPS,
@@ -259,7 +266,8 @@ def merge(dirs, out, no_plot=False, log=print):
     rows, seeds, meta = load_dirs(dirs)
     table, nf = evaluate(seeds)
     req = requirements(seeds, meta)
-    done = {r["run"] for a in complete(seeds).values() for r in a.values()}
+    kept = complete(seeds)
+    done = {r["run"] for a in kept.values() for r in a.values()}
     rows = [r for r in rows if r["run"] in done]  # a cut run's curve ends early: the seed's dir keeps it
     curves = dict(frac=TAIL_FRAC, fall=tail_fall(rows), runs=len(done))
     targets = [t["meets_targets"] for a, t in table.items() if a in TARGET_ARMS]
@@ -268,7 +276,7 @@ def merge(dirs, out, no_plot=False, log=print):
                ("targets met" if all(targets) else "targets NOT met")
                + ("" if all(v for k, v in req.items() if isinstance(v, bool)) else
                   " (but the setup falls short of issue 20's: see requirements)"))
-    merged = dict(merged_from=list(dirs), seeds=sorted(seeds), verdict=verdict,
+    merged = dict(merged_from=list(dirs), seeds=sorted(kept), verdict=verdict,
                   gap="final val loss (whole held-out split) / that of arm A of the same seed - 1",
                   targets=dict(target_arms=list(TARGET_ARMS), abs_mean_max=TARGET_MEAN, ci95_within=TARGET_CI,
                                seed_gap_max_over_noise_max=NOISE_FACTOR),
@@ -278,13 +286,13 @@ def merge(dirs, out, no_plot=False, log=print):
     write_csv(rows, os.path.join(out, "convergence.csv"))
     with open(os.path.join(out, "convergence_summary.json"), "w") as f:
         json.dump(merged, f, indent=2)
-    text = summary_text(table, nf, req, seeds, curves) + f"\nverdict: {verdict}\n"
+    text = summary_text(table, nf, req, kept, curves) + f"\nverdict: {verdict}\n"
     with open(os.path.join(out, "convergence_summary.txt"), "w") as f:
         f.write(text)
     log(text)
     if not no_plot:
         try:
-            plot(rows, complete(seeds), os.path.join(out, "convergence.png"))
+            plot(rows, kept, os.path.join(out, "convergence.png"))
         except ImportError:
             log("matplotlib missing: no plot")
     return merged

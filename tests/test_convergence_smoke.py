@@ -217,10 +217,11 @@ def test_megatron_merge_t_interval(tmp_path):
     dirs = []
     for k, seed in enumerate((1, 2, 3, 4, 5)):
         gaps = dict(A=0.0, B=b[k], C=c[k], noise=noise[k])
-        if seed == 3:  # arm C of seed 3 was cut, then ran again in another session
+        cut = ("C",) if seed == 3 else ()  # arm C of seed 3 was cut, then ran again in another session
+        dirs.append(synthetic_seed_dir(tmp_path / f"s{seed}", seed, dict(gaps, C=gaps["C"] + 0.05 * bool(cut)),
+                                       truncated=cut))
+        if cut:
             dirs.append(synthetic_seed_dir(tmp_path / "s3c", seed, dict(C=gaps["C"])))
-            gaps["C"] += 0.05
-        dirs.append(synthetic_seed_dir(tmp_path / f"s{seed}", seed, gaps, truncated="C" if seed == 3 else ()))
     out = tmp_path / "merged"
     run_megatron_example("--merge", *dirs, "--out", str(out), "--quiet")
     m = json.loads((out / "convergence_summary.json").read_text())
@@ -253,7 +254,7 @@ def test_megatron_merge_t_interval(tmp_path):
     assert "D" not in m["arms"] and m["verdict"] == "targets NOT met"
     assert all(v for k, v in m["requirements"].items() if isinstance(v, bool)), m["requirements"]
     assert m["requirements"]["seeds_per_arm"] == dict(B=5, C=5, D=0, E=0, noise=5)
-    assert m["requirements"]["truncated_runs"] == 0  # seed 3's cut arm C gave way
+    assert m["requirements"]["truncated_runs"] == 0 and m["requirements"]["replaced_runs"] == 1  # seed 3's C
     text = (out / "convergence_summary.txt").read_text()
     assert "+0.050%" in text and "[-0.089%, +0.189%]" in text
     # how flat the curves end: val at step 2000 (the last log at or before 90% of 3000) over the last
@@ -276,13 +277,21 @@ def test_megatron_merge_t_interval(tmp_path):
     two_doc = json.loads((tmp_path / "two" / "convergence_summary.json").read_text())
     assert two_doc["arms"]["B"]["t"] == pytest.approx(12.706, abs=1e-3), two.stdout
     assert two_doc["requirements"]["enough_seeds"] is False and "falls short" in two_doc["verdict"]
-    # a cut run with nothing to replace it: no gap, no seed, no curve; counted as cut
-    cut = synthetic_seed_dir(tmp_path / "cut", 6, dict(A=0.0, B=0.001), truncated="B")
-    three = run_megatron_example("--merge", dirs[0], dirs[1], cut, "--out", str(tmp_path / "three"), "--quiet")
-    req = json.loads((tmp_path / "three" / "convergence_summary.json").read_text())
-    assert "6" not in req["arms"]["B"]["gaps"] and req["requirements"]["truncated_runs"] == 1, three.stdout
-    assert req["requirements"]["seeds_per_arm"]["B"] == 2 and req["requirements"]["min_steps"] == 3000
-    assert "fp8_row_seed6" not in req["curves"]["fall"] and "bf16_seed6" in req["curves"]["fall"]
+    # cut runs with nothing to replace them: no gap, no curve, no seed of their own; counted as cut.
+    # Seed 6's arm B was cut twice (the longer run stays), seed 7 has only a cut run
+    cut = synthetic_seed_dir(tmp_path / "cut", 6, dict(A=0.0, B=0.001), truncated=("B",))
+    cut_again = synthetic_seed_dir(tmp_path / "cut2", 6, dict(B=0.002), steps=1500, truncated=("B",))
+    only_cut = synthetic_seed_dir(tmp_path / "cut3", 7, dict(B=0.0), truncated=("B",))
+    three = run_megatron_example("--merge", dirs[0], dirs[1], cut_again, cut, only_cut, "--out", str(tmp_path / "three"),
+                                 "--quiet")
+    doc = json.loads((tmp_path / "three" / "convergence_summary.json").read_text())
+    req = doc["requirements"]
+    assert "6" not in doc["arms"]["B"]["gaps"] and req["truncated_runs"] == 3, three.stdout
+    assert req["replaced_runs"] == 0 and doc["per_seed"]["6"]["runs"]["B"]["steps"] == 2000
+    assert req["seeds_per_arm"]["B"] == 2 and req["min_steps"] == 3000
+    text = (tmp_path / "three" / "convergence_summary.txt").read_text()
+    assert doc["seeds"] == req["seeds"] == [1, 2, 6] and "seed 6" in text and "seed 7" not in text
+    assert "fp8_row_seed6" not in doc["curves"]["fall"] and "bf16_seed6" in doc["curves"]["fall"]
     odd = synthetic_seed_dir(tmp_path / "odd", 9, dict(A=0.0), checksum=1.0)
     odd_b = synthetic_seed_dir(tmp_path / "odd_b", 9, dict(B=0.001), checksum=2.0)
     done = run_megatron_example("--merge", odd, odd_b, "--out", str(tmp_path / "bad"), check=False)
