@@ -115,14 +115,15 @@ def test_misaligned_stand_in():
         _same(got, _reference(w, transposed))
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES + [(2, 96, 7168)])  # K 7168: DeepSeek-V3 fc1's, the row pass at 16 warps
 @pytest.mark.parametrize("stand_in", [False, True])
 @pytest.mark.parametrize("special", [False, True])
-def test_with_transposed(shape, stand_in, special):
+def test_with_transposed(shape, stand_in, special, dtype):
     """with_transposed (an FP8 dgrad's forward): both copies in two launches, the row-wise pass
     leaving the column amaxes the transposed pass scales by (past K 8192: the two plain kernels);
     each the bytes of its reference, and the backward's call then launches nothing."""
-    w = _weights(*shape, torch.bfloat16, special and shape[1] >= 8 and shape[2] >= 8, seed=2)
+    w = _weights(*shape, dtype, special and shape[1] >= 8 and shape[2] >= 8, seed=2)
     if stand_in:
         params = [torch.nn.Parameter(w[e].clone()) for e in range(shape[0])]
         (weight,) = fx.expert_weights(params)
