@@ -83,6 +83,15 @@ _AGREED_OPTIONS = (("num_experts", int), ("granularity", lambda c: Granularity(c
                    ("capacity_factor", lambda b: None if b == -1 else struct.unpack("<d", struct.pack("<q", b))[0]))
 
 
+_INVALID_OPTIONS = -3  # every value of a rank's agreement row: its options were rejected before it
+
+# A leaf that requires grad, passed to dispatch's and combine's autograd Functions by a call of a
+# group of several ranks in grad mode: whether a rank's backward enters the backward exchanges must
+# not depend on what its own inputs require (a rank whose x or router weights do not would skip an
+# exchange its peers wait in, or send rows of another width). It never receives a gradient.
+_GRAD_LEAF = torch.zeros((), requires_grad=True)
+
+
 def _tracing() -> bool:
     """Under torch.compile (or export) tracing: there meta and fake tensors are the normal case."""
     return torch.compiler.is_compiling()
@@ -96,10 +105,13 @@ def _forward_ad_active() -> bool:
     return forward_ad._current_level >= 0
 
 
-def _differentiable(*tensors) -> bool:
-    """Whether a call must go through its autograd Function: grad mode and an input (None: absent)
-    that requires grad, or a forward-AD level entered."""
+def _differentiable(dispatcher, *tensors) -> bool:
+    """Whether a call must go through its autograd Function: grad mode and a group of several ranks
+    (the Function then takes _GRAD_LEAF) or an input (None: absent) that requires grad, or a
+    forward-AD level entered."""
     if torch.is_grad_enabled():
+        if dispatcher._grad_leaf is not None:
+            return True
         for t in tensors:
             if t is not None and t.requires_grad:
                 return True
@@ -221,28 +233,37 @@ class Dispatcher:
                  tensor_scale: Optional[torch.Tensor] = None, expert_tp_size: int = 1,
                  capacity_factor: Optional[float] = None, always_communicate: bool = False,
                  config: Optional[DispatcherConfig] = None):
-        given = DispatcherConfig(granularity=granularity, fp8_combine=fp8_combine,
-                                 fp8_dispatch_backward=fp8_dispatch_backward, bf16_below_bytes=bf16_below_bytes,
-                                 expert_tp_size=expert_tp_size, capacity_factor=capacity_factor,
-                                 always_communicate=always_communicate)
-        if config is None:
-            config = given
-        elif given != DispatcherConfig():
-            raise TypeError("fp8a2a: pass the Dispatcher's options either as config= or as arguments, not both")
-        elif not isinstance(config, DispatcherConfig):
-            raise TypeError(f"fp8a2a: config must be a DispatcherConfig, got {type(config).__name__}")
-        self.config = config
         self.group = group
         self.rank, self.world = _group_info(group)
+        try:
+            given = DispatcherConfig(granularity=granularity, fp8_combine=fp8_combine,
+                                     fp8_dispatch_backward=fp8_dispatch_backward, bf16_below_bytes=bf16_below_bytes,
+                                     expert_tp_size=expert_tp_size, capacity_factor=capacity_factor,
+                                     always_communicate=always_communicate)
+            if config is None:
+                config = given
+            elif given != DispatcherConfig():
+                raise TypeError("fp8a2a: pass the Dispatcher's options either as config= or as arguments, not both")
+            elif not isinstance(config, DispatcherConfig):
+                raise TypeError(f"fp8a2a: config must be a DispatcherConfig, got {type(config).__name__}")
+            if self.world % config.expert_tp_size:
+                raise ValueError(f"fp8a2a: expert_tp_size={config.expert_tp_size} must divide the group size "
+                                 f"{self.world}")
+            ep = self.world // config.expert_tp_size
+            if num_experts < 1 or num_experts % ep:
+                raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the "
+                                 f"expert-parallel size {ep}")
+        except (TypeError, ValueError):
+            if self.world > 1:  # the peers are on their way into the agreement: make them raise too
+                try:
+                    self._gather_ints([_INVALID_OPTIONS] * len(_AGREED_OPTIONS))
+                except Exception:  # e.g. the peers are gone: the option error is the one to see
+                    pass
+            raise
+        self.config = config
         self.granularity = config.granularity
         self.code = config.code
-        if self.world % config.expert_tp_size:
-            raise ValueError(f"fp8a2a: expert_tp_size={config.expert_tp_size} must divide the group size {self.world}")
         self.tp = config.expert_tp_size
-        ep = self.world // self.tp
-        if num_experts < 1 or num_experts % ep:
-            raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the expert-parallel "
-                             f"size {ep}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.fp8_combine = config.fp8_combine
@@ -263,6 +284,7 @@ class Dispatcher:
         self.capacity_factor = config.capacity_factor
         self._validated_shapes = set()
         self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
+        self._grad_leaf = None if self.local else _GRAD_LEAF
         # NCCL moves CUDA tensors only (gloo takes CPU and CUDA ones): checked per call, before any
         # collective, as an attribute read
         self._needs_cuda = not self.local and dist.get_backend(group) == "nccl"
@@ -282,6 +304,9 @@ class Dispatcher:
         every = self._gather_ints(self._agreed_options(scale_bits))
         if scale_error is not None:
             raise scale_error
+        invalid = [r for r, v in enumerate(every) if v[0] == _INVALID_OPTIONS]
+        if invalid:
+            raise ValueError(f"fp8a2a: ranks {invalid} were given invalid Dispatcher options (their error says why)")
         invalid = [r for r, v in enumerate(every) if v[3] == -2]
         if invalid:
             raise ValueError(f"fp8a2a: ranks {invalid} were given an invalid tensor_scale (their error says why)")
@@ -354,8 +379,8 @@ class Dispatcher:
             raise
         # The autograd Function runs its forward without grad mode: without it, so must every input
         # (the tensor scale included), or an output could carry a history the Function's would not.
-        if _differentiable(x, topk_weights, self.tensor_scale):
-            rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
+        if _differentiable(self, x, topk_weights, self.tensor_scale):
+            rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route, self._grad_leaf)
             anchor = rows if rows.requires_grad else None
         else:  # nothing to differentiate: skip the Function's bookkeeping, a host cost on every call
             data, scale, weights, tpe, layout = self._forward(x, route)
@@ -385,8 +410,8 @@ class Dispatcher:
         weights = handle.weights if apply_weights else None
         if expert_out.dtype != handle.dtype:
             expert_out = expert_out.to(handle.dtype)
-        if _differentiable(expert_out, weights):
-            return _CombineFn.apply(expert_out, weights, handle)
+        if _differentiable(handle.dispatcher, expert_out, weights):
+            return _CombineFn.apply(expert_out, weights, handle, handle.dispatcher._grad_leaf)
         return _combine_rows(expert_out, weights, handle)  # nothing to differentiate: no Function
 
     # ---- pieces used by the autograd functions ---------------------------------------------
@@ -414,6 +439,7 @@ class Dispatcher:
             raise ValueError(f"fp8a2a: x must be float32, float16 or bfloat16, got {x.dtype}")
         if x.shape[1] == 0:
             raise ValueError("fp8a2a: x has hidden size 0")
+        _check_no_tangent("dispatch", x=x, topk_weights=topk_weights)
         # checked whatever wire this call takes: a rank under the size threshold must fail like the others
         if self.code == Granularity.BLOCK128 and x.shape[1] % 128:
             raise ValueError(f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
@@ -482,8 +508,11 @@ class Dispatcher:
 
     def _pack(self, x, route: _Route, wire, tensor_scale=None):
         # raw: the op sends x's own bytes and writes its dtype in the header, as for every wire
-        return ops.dispatch_pack(_detached(x).contiguous(), route.topk_idx, route.topk_weights,
-                                 self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
+        x = _detached(x).contiguous()
+        if not x.numel():  # an empty expanded tensor (the gradient of a sum) counts as contiguous,
+            x = x.new_empty(x.shape)  # but its zero strides cannot be viewed as bytes
+        return ops.dispatch_pack(x, route.topk_idx, route.topk_weights, self.num_experts * self.tp, self.world, wire,
+                                 tensor_scale, route.rank_capacity)
 
     def _unpack(self, recv, route: _Route, wire, recv_counts, hidden, dtype, num_rows):
         """dispatch_unpack of `num_rows` expert-major rows; a raw (unquantized) wire's rows come back
@@ -600,6 +629,17 @@ def _check_device(t: torch.Tensor, needs_cuda: bool, op: str):
                          f"CUDA tensors")
 
 
+def _check_no_tangent(op: str, **tensors):
+    """Dispatch and combine have no forward-mode AD (jvp): a dual input is rejected before any
+    collective, as any bad input is, so that every rank raises (not after the exchanges, where the
+    autograd Function would find no jvp and the peers would wait in the next exchange). Inference
+    mode disables forward AD: there the tangents are ignored, as everywhere."""
+    if _forward_ad_active() and not torch.is_inference_mode_enabled():
+        for name, t in tensors.items():
+            if forward_ad.unpack_dual(t).tangent is not None:
+                raise NotImplementedError(f"fp8a2a: {op} has no forward-mode AD (jvp), and {name} is a dual tensor")
+
+
 _COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -616,12 +656,16 @@ def _combine_input_error(expert_out, handle: DispatchHandle) -> Optional[Excepti
     device = handle.send_pos.device
     if expert_out.device != device:
         return ValueError(f"fp8a2a: expert_out is on {expert_out.device}, but the dispatch ran on {device}")
+    try:
+        _check_no_tangent("combine", expert_out=expert_out)
+    except NotImplementedError as e:
+        return e
     return None
 
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, dispatcher, route):
+    def forward(ctx, x, topk_weights, dispatcher, route, grad_leaf):
         data, scale, weights, tpe, layout = dispatcher._forward(x, route)
         ctx.layout = layout  # without the weights: they would close a reference cycle through ctx
         if layout["wire"] == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
@@ -637,15 +681,18 @@ class _DispatchFn(torch.autograd.Function):
     def backward(ctx, grad_rows, grad_weights, *_):
         h = DispatchHandle(**ctx.layout)
         d = h.dispatcher
-        want_w = ctx.needs_input_grad[1] and grad_weights is not None
+        # the rows' width must be the same on every rank: with peers, always with the weights' column
+        want_w = not d.local or (ctx.needs_input_grad[1] and grad_weights is not None)
         if grad_rows is None:
             grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=h.dtype, device=h.send_pos.device)
+        if want_w and grad_weights is None:
+            grad_weights = torch.zeros(h.num_rows, dtype=torch.float32, device=h.send_pos.device)
         extra = grad_weights.float().contiguous() if want_w else None
         quant = d.fp8_dispatch_backward
         buf = ops.combine_pack(grad_rows.to(h.dtype).contiguous(), h.slot_pos, None, extra, quant)
         back = d._exchange(buf, h.recv_splits, h.send_splits)
         gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, h.dtype, quant, h.topk_idx.shape[1] if want_w else 0)
-        return gx, (gw if want_w else None), None, None
+        return gx, (gw if ctx.needs_input_grad[1] else None), None, None, None
 
 
 def _combine_rows(expert_out, weights, handle):
@@ -659,7 +706,7 @@ def _combine_rows(expert_out, weights, handle):
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, weights, handle):
+    def forward(ctx, expert_out, weights, handle, grad_leaf):
         y = _combine_rows(expert_out, weights, handle)
         ctx.handle = handle
         ctx.save_for_backward(expert_out if weights is not None else None, weights)
@@ -679,7 +726,7 @@ class _CombineFn(torch.autograd.Function):
         data, scale, _, _, _, _ = d._unpack(recv, h, wire, h.recv_counts, h.hidden, h.dtype, h.num_rows)
         raw = wire == Granularity.RAW
         if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
-            return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None
+            return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None, None
         w = weights.detach()
         gf = data.float() if raw else None
         # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
@@ -688,4 +735,4 @@ class _CombineFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gf = gf if raw else ops.dequantize(data, scale, torch.float32)
             grad_w = (gf * expert_out.float()).sum(1)
-        return grad_out, grad_w, None
+        return grad_out, grad_w, None, None

@@ -83,6 +83,92 @@ def test_options_that_may_differ():
     run_ranks(2, fn, timeout=TIMEOUT)
 
 
+INVALID = {  # an option rank 1 alone gets wrong: it raises before the agreement, which its peer is in
+    "granularity": dict(granularity="rows"),
+    "num_experts": dict(num_experts=9),
+    "expert_tp_size": dict(expert_tp_size=3),
+    "capacity_factor": dict(capacity_factor=-1.0),
+    "config_and_arguments": dict(config=fp8a2a.DispatcherConfig(), fp8_combine=True),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_option_invalid_on_one_rank_raises_on_every_rank(case):
+    def bad(rank, world):
+        fp8a2a.Dispatcher(**dict(dict(num_experts=E), **(INVALID[case] if rank == 1 else {})))
+
+    msgs = _raises_then_recovers(bad, lambda rank, world: fp8a2a.Dispatcher(E))
+    assert "ranks [1] were given invalid Dispatcher options" in msgs[0], msgs
+    assert "ranks [1]" not in msgs[1], msgs  # the invalid rank raises its own error
+
+
+# ---- what the ranks' inputs require: the backward exchanges are the same on every rank -----------
+
+@pytest.mark.parametrize("wire", ["fp8", "raw"])
+@pytest.mark.parametrize("needs", ["x", "topk_weights"])
+def test_gradients_required_on_one_rank_only(needs, wire):
+    """Rank 0's x (or router weights) requires grad, rank 1's does not: both ranks' backward still
+    enter the same exchanges, with rows of one width, and rank 0's gradients equal those of a step
+    where every rank's inputs require grad."""
+    def fn(rank, world):
+        d = fp8a2a.Dispatcher(E, bf16_below_bytes=0 if wire == "fp8" else 1 << 30)
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32, seed=3)
+        expert = torch.nn.Parameter(torch.full((H,), 0.5))  # every rank's experts have parameters
+
+        def step(grad_here):
+            x, w = xs[rank].clone(), ws[rank].clone()
+            x.requires_grad_(grad_here or needs != "x")
+            w.requires_grad_(needs == "topk_weights" and grad_here)
+            out = d.dispatch(x, idxs[rank], w)
+            y = d.combine(out.dequantized(torch.float32) * expert, out.handle)
+            y.sum().backward()
+            return x.grad, w.grad
+
+        got, ref = step(rank == 0), step(True)
+        if rank == 0:  # the gradients this rank asked for: those of the step where every rank asks
+            torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+            if needs == "topk_weights":
+                torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+        return [g is not None for g in got]
+
+    assert run_ranks(2, fn, timeout=TIMEOUT) == [[True, needs == "topk_weights"], [needs != "x", False]]
+
+
+def test_forward_ad_dual_input_on_one_rank_raises_on_every_rank():
+    import torch.autograd.forward_ad as fwAD
+    made = {}
+
+    def dispatcher(rank, world):
+        return made.setdefault("d", fp8a2a.Dispatcher(E, bf16_below_bytes=0))
+
+    def bad(rank, world):
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.bfloat16)
+        with fwAD.dual_level():
+            x = fwAD.make_dual(xs[rank], torch.ones_like(xs[rank])) if rank == 1 else xs[rank]
+            out = dispatcher(rank, world).dispatch(x, idxs[rank], ws[rank])
+            dispatcher(rank, world).combine(out.dequantized(), out.handle)
+
+    msgs = _raises_then_recovers(bad, dispatcher)
+    assert "ranks [1] rejected their dispatch input" in msgs[0] and "no forward-mode AD (jvp)" in msgs[1], msgs
+
+
+def test_empty_rank_raw_wire_backward_of_a_sum():
+    """A rank without tokens gets the gradient of y.sum() as an empty expanded tensor (contiguous by
+    torch's rule, zero strides): its raw (BF16) combine backward must still pack it and join the
+    exchange."""
+    def fn(rank, world):
+        d = fp8a2a.Dispatcher(E)  # small inputs: the raw wire
+        xs, idxs, ws = make_inputs(world, [T, 0], H, E, K, torch.bfloat16, seed=5)
+        x = xs[rank].clone().requires_grad_()
+        out = d.dispatch(x, idxs[rank], ws[rank])
+        d.combine(out.dequantized(torch.bfloat16) * 2, out.handle).sum().backward()
+        routed = (idxs[rank] >= 0).float() * ws[rank]  # d(sum of 2 * w * x over the routed slots)/dx
+        torch.testing.assert_close(x.grad, (2 * routed.sum(1, keepdim=True)).expand(-1, H).to(x.dtype))
+        return out.handle.wire.label, tuple(x.grad.shape)
+
+    assert run_ranks(2, fn, timeout=TIMEOUT) == [("raw", (T, H)), ("raw", (0, H))]
+
+
 # ---- dispatch inputs: device, dtype ------------------------------------------------------------
 
 DISPATCH_BAD = ["x_meta", "idx_meta", "weights_meta", "all_meta", "cpu_on_nccl", "idx_float", "weights_int"]
