@@ -85,12 +85,6 @@ _AGREED_OPTIONS = (("num_experts", int), ("granularity", lambda c: Granularity(c
 
 _INVALID_OPTIONS = -3  # every value of a rank's agreement row: its options were rejected before it
 
-# A leaf that requires grad, passed to dispatch's and combine's autograd Functions by a call of a
-# group of several ranks in grad mode: whether a rank's backward enters the backward exchanges must
-# not depend on what its own inputs require (a rank whose x or router weights do not would skip an
-# exchange its peers wait in, or send rows of another width). It never receives a gradient.
-_GRAD_LEAF = torch.zeros((), requires_grad=True)
-
 
 def _tracing() -> bool:
     """Under torch.compile (or export) tracing: there meta and fake tensors are the normal case."""
@@ -105,13 +99,10 @@ def _forward_ad_active() -> bool:
     return forward_ad._current_level >= 0
 
 
-def _differentiable(dispatcher, *tensors) -> bool:
-    """Whether a call must go through its autograd Function: grad mode and a group of several ranks
-    (the Function then takes _GRAD_LEAF) or an input (None: absent) that requires grad, or a
-    forward-AD level entered."""
+def _differentiable(*tensors) -> bool:
+    """Whether a call must go through its autograd Function: grad mode and an input (None: absent)
+    that requires grad, or a forward-AD level entered."""
     if torch.is_grad_enabled():
-        if dispatcher._grad_leaf is not None:
-            return True
         for t in tensors:
             if t is not None and t.requires_grad:
                 return True
@@ -253,7 +244,7 @@ class Dispatcher:
             if num_experts < 1 or num_experts % ep:
                 raise ValueError(f"fp8a2a: num_experts={num_experts} must be a positive multiple of the "
                                  f"expert-parallel size {ep}")
-        except (TypeError, ValueError):
+        except Exception:
             if self.world > 1:  # the peers are on their way into the agreement: make them raise too
                 try:
                     self._gather_ints([_INVALID_OPTIONS] * len(_AGREED_OPTIONS))
@@ -274,17 +265,15 @@ class Dispatcher:
         # float32 bits for the agreement check (-1: no scale, -2: an invalid one)
         scale_error, scale_bits = None, -1
         if tensor_scale is not None:
-            tensor_scale = torch.as_tensor(tensor_scale)
-            host = tensor_scale.detach().float().cpu()
             try:
-                scale_bits = int(checked_tensor_scale(host).view(torch.int32))
-            except ValueError as e:
+                tensor_scale = torch.as_tensor(tensor_scale)
+                scale_bits = int(checked_tensor_scale(tensor_scale.detach().float().cpu()).view(torch.int32))
+            except Exception as e:  # joins the agreement below, so that every rank raises
                 scale_error, scale_bits = e, -2
         self.tensor_scale = tensor_scale
         self.capacity_factor = config.capacity_factor
         self._validated_shapes = set()
         self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
-        self._grad_leaf = None if self.local else _GRAD_LEAF
         # NCCL moves CUDA tensors only (gloo takes CPU and CUDA ones): checked per call, before any
         # collective, as an attribute read
         self._needs_cuda = not self.local and dist.get_backend(group) == "nccl"
@@ -379,8 +368,8 @@ class Dispatcher:
             raise
         # The autograd Function runs its forward without grad mode: without it, so must every input
         # (the tensor scale included), or an output could carry a history the Function's would not.
-        if _differentiable(self, x, topk_weights, self.tensor_scale):
-            rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route, self._grad_leaf)
+        if _differentiable(x, topk_weights, self.tensor_scale):
+            rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
             anchor = rows if rows.requires_grad else None
         else:  # nothing to differentiate: skip the Function's bookkeeping, a host cost on every call
             data, scale, weights, tpe, layout = self._forward(x, route)
@@ -410,8 +399,8 @@ class Dispatcher:
         weights = handle.weights if apply_weights else None
         if expert_out.dtype != handle.dtype:
             expert_out = expert_out.to(handle.dtype)
-        if _differentiable(handle.dispatcher, expert_out, weights):
-            return _CombineFn.apply(expert_out, weights, handle, handle.dispatcher._grad_leaf)
+        if _differentiable(expert_out, weights):
+            return _CombineFn.apply(expert_out, weights, handle)
         return _combine_rows(expert_out, weights, handle)  # nothing to differentiate: no Function
 
     # ---- pieces used by the autograd functions ---------------------------------------------
@@ -630,14 +619,19 @@ def _check_device(t: torch.Tensor, needs_cuda: bool, op: str):
 
 
 def _check_no_tangent(op: str, **tensors):
-    """Dispatch and combine have no forward-mode AD (jvp): a dual input is rejected before any
-    collective, as any bad input is, so that every rank raises (not after the exchanges, where the
-    autograd Function would find no jvp and the peers would wait in the next exchange). Inference
-    mode disables forward AD: there the tangents are ignored, as everywhere."""
+    """Dispatch and combine have no forward-mode AD (jvp) and no torch.func transforms: a dual
+    input, or a call inside a transform, is rejected before any collective, as any bad input is, so
+    that every rank raises (not after the exchanges, where the autograd Function would find no jvp
+    and the peers would wait in the next exchange). Inference mode disables forward AD: there the
+    tangents are ignored, as everywhere."""
     if _forward_ad_active() and not torch.is_inference_mode_enabled():
         for name, t in tensors.items():
             if forward_ad.unpack_dual(t).tangent is not None:
                 raise NotImplementedError(f"fp8a2a: {op} has no forward-mode AD (jvp), and {name} is a dual tensor")
+    # torch.func's transforms need Functions with setup_context, which these are not: their error
+    # would come from the Function's apply, after this rank's peers entered the exchange
+    if torch._C._are_functorch_transforms_active() and not _tracing():
+        raise NotImplementedError(f"fp8a2a: {op} does not support torch.func transforms (jvp, grad, vmap)")
 
 
 _COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -665,7 +659,7 @@ def _combine_input_error(expert_out, handle: DispatchHandle) -> Optional[Excepti
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, dispatcher, route, grad_leaf):
+    def forward(ctx, x, topk_weights, dispatcher, route):
         data, scale, weights, tpe, layout = dispatcher._forward(x, route)
         ctx.layout = layout  # without the weights: they would close a reference cycle through ctx
         if layout["wire"] == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
@@ -681,7 +675,8 @@ class _DispatchFn(torch.autograd.Function):
     def backward(ctx, grad_rows, grad_weights, *_):
         h = DispatchHandle(**ctx.layout)
         d = h.dispatcher
-        # the rows' width must be the same on every rank: with peers, always with the weights' column
+        # the rows' width must be the same on every rank, whichever ranks' router weights need a
+        # gradient: with peers, always with the weights' column
         want_w = not d.local or (ctx.needs_input_grad[1] and grad_weights is not None)
         if grad_rows is None:
             grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=h.dtype, device=h.send_pos.device)
@@ -692,7 +687,7 @@ class _DispatchFn(torch.autograd.Function):
         buf = ops.combine_pack(grad_rows.to(h.dtype).contiguous(), h.slot_pos, None, extra, quant)
         back = d._exchange(buf, h.recv_splits, h.send_splits)
         gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, h.dtype, quant, h.topk_idx.shape[1] if want_w else 0)
-        return gx, (gw if ctx.needs_input_grad[1] else None), None, None, None
+        return gx, (gw if ctx.needs_input_grad[1] else None), None, None
 
 
 def _combine_rows(expert_out, weights, handle):
@@ -706,7 +701,7 @@ def _combine_rows(expert_out, weights, handle):
 
 class _CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, weights, handle, grad_leaf):
+    def forward(ctx, expert_out, weights, handle):
         y = _combine_rows(expert_out, weights, handle)
         ctx.handle = handle
         ctx.save_for_backward(expert_out if weights is not None else None, weights)
@@ -726,7 +721,7 @@ class _CombineFn(torch.autograd.Function):
         data, scale, _, _, _, _ = d._unpack(recv, h, wire, h.recv_counts, h.hidden, h.dtype, h.num_rows)
         raw = wire == Granularity.RAW
         if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
-            return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None, None
+            return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None
         w = weights.detach()
         gf = data.float() if raw else None
         # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
@@ -735,4 +730,4 @@ class _CombineFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gf = gf if raw else ops.dequantize(data, scale, torch.float32)
             grad_w = (gf * expert_out.float()).sum(1)
-        return grad_out, grad_w, None, None
+        return grad_out, grad_w, None

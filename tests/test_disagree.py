@@ -102,36 +102,52 @@ def test_option_invalid_on_one_rank_raises_on_every_rank(case):
     assert "ranks [1]" not in msgs[1], msgs  # the invalid rank raises its own error
 
 
-# ---- what the ranks' inputs require: the backward exchanges are the same on every rank -----------
+# ---- autograd: the backward exchanges are the same on every rank ----------------------------------
 
 @pytest.mark.parametrize("wire", ["fp8", "raw"])
-@pytest.mark.parametrize("needs", ["x", "topk_weights"])
-def test_gradients_required_on_one_rank_only(needs, wire):
-    """Rank 0's x (or router weights) requires grad, rank 1's does not: both ranks' backward still
-    enter the same exchanges, with rows of one width, and rank 0's gradients equal those of a step
-    where every rank's inputs require grad."""
+def test_router_weights_requiring_grad_on_one_rank_only(wire):
+    """Rank 0's router weights require grad, rank 1's do not (x does on both): dispatch's backward
+    rows have one width on every rank, and rank 0's gradients equal those of a step where every
+    rank's weights require grad."""
     def fn(rank, world):
         d = fp8a2a.Dispatcher(E, bf16_below_bytes=0 if wire == "fp8" else 1 << 30)
         xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32, seed=3)
-        expert = torch.nn.Parameter(torch.full((H,), 0.5))  # every rank's experts have parameters
 
         def step(grad_here):
-            x, w = xs[rank].clone(), ws[rank].clone()
-            x.requires_grad_(grad_here or needs != "x")
-            w.requires_grad_(needs == "topk_weights" and grad_here)
+            x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_(grad_here)
             out = d.dispatch(x, idxs[rank], w)
-            y = d.combine(out.dequantized(torch.float32) * expert, out.handle)
-            y.sum().backward()
+            d.combine(out.dequantized(torch.float32) * 0.5, out.handle).sum().backward()
             return x.grad, w.grad
 
         got, ref = step(rank == 0), step(True)
-        if rank == 0:  # the gradients this rank asked for: those of the step where every rank asks
-            torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
-            if needs == "topk_weights":
-                torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
-        return [g is not None for g in got]
+        torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+        if rank == 0:
+            torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+        return got[1] is not None
 
-    assert run_ranks(2, fn, timeout=TIMEOUT) == [[True, needs == "topk_weights"], [needs != "x", False]]
+    assert run_ranks(2, fn, timeout=TIMEOUT) == [True, False]
+
+
+def test_torch_func_transform_on_one_rank_raises_on_every_rank():
+    made = {}
+
+    def dispatcher(rank, world):
+        return made.setdefault("d", fp8a2a.Dispatcher(E, bf16_below_bytes=0))
+
+    def bad(rank, world):
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32)
+
+        def f(scale):  # the inputs carry no tangent: the transform itself is what is rejected
+            out = dispatcher(rank, world).dispatch(xs[rank], idxs[rank], ws[rank])
+            return dispatcher(rank, world).combine(out.dequantized(torch.float32), out.handle) * scale
+
+        if rank == 1:
+            torch.func.jvp(f, (torch.tensor(1.0),), (torch.tensor(1.0),))
+        else:
+            f(torch.tensor(1.0))
+
+    msgs = _raises_then_recovers(bad, dispatcher)
+    assert "ranks [1] rejected their dispatch input" in msgs[0] and "torch.func transforms" in msgs[1], msgs
 
 
 def test_forward_ad_dual_input_on_one_rank_raises_on_every_rank():
