@@ -253,6 +253,12 @@ def test_tensor_scale_must_agree_and_be_valid():
         fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=torch.tensor(0.01 if rank == 0 else 0.0))
     msgs = _expect_error_everywhere(invalid_on_one_rank)
     assert "ranks [1] were given an invalid tensor_scale" in msgs[0] and "finite and >=" in msgs[1], msgs
+
+    def unreadable_on_one_rank(rank, world):  # not even a number to check: still joins the gather
+        fp8a2a.Dispatcher(8, granularity="tensor",
+                          tensor_scale=torch.tensor(0.01) if rank == 0 else torch.tensor(0.01, device="meta"))
+    msgs = _expect_error_everywhere(unreadable_on_one_rank)
+    assert "ranks [1] were given an invalid tensor_scale" in msgs[0], msgs
     with pytest.raises(ValueError, match="finite and >="):
         fp8a2a.Dispatcher(8, granularity="tensor", tensor_scale=torch.tensor(0.0))
     scale = torch.tensor(0.01, dtype=torch.bfloat16)
