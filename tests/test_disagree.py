@@ -128,29 +128,10 @@ def test_router_weights_requiring_grad_on_one_rank_only(wire):
     assert run_ranks(2, fn, timeout=TIMEOUT) == [True, False]
 
 
-def test_torch_func_transform_on_one_rank_raises_on_every_rank():
-    made = {}
-
-    def dispatcher(rank, world):
-        return made.setdefault("d", fp8a2a.Dispatcher(E, bf16_below_bytes=0))
-
-    def bad(rank, world):
-        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32)
-
-        def f(scale):  # the inputs carry no tangent: the transform itself is what is rejected
-            out = dispatcher(rank, world).dispatch(xs[rank], idxs[rank], ws[rank])
-            return dispatcher(rank, world).combine(out.dequantized(torch.float32), out.handle) * scale
-
-        if rank == 1:
-            torch.func.jvp(f, (torch.tensor(1.0),), (torch.tensor(1.0),))
-        else:
-            f(torch.tensor(1.0))
-
-    msgs = _raises_then_recovers(bad, dispatcher)
-    assert "ranks [1] rejected their dispatch input" in msgs[0] and "torch.func transforms" in msgs[1], msgs
-
-
-def test_forward_ad_dual_input_on_one_rank_raises_on_every_rank():
+@pytest.mark.parametrize("how", ["dual_input", "torch_func_jvp"])
+def test_forward_ad_on_one_rank_raises_on_every_rank(how):
+    """Rank 1 dispatches a dual tensor, or calls dispatch inside torch.func.jvp with inputs that
+    carry no tangent: neither is supported, and both are rejected before any collective."""
     import torch.autograd.forward_ad as fwAD
     made = {}
 
@@ -158,14 +139,24 @@ def test_forward_ad_dual_input_on_one_rank_raises_on_every_rank():
         return made.setdefault("d", fp8a2a.Dispatcher(E, bf16_below_bytes=0))
 
     def bad(rank, world):
-        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.bfloat16)
-        with fwAD.dual_level():
-            x = fwAD.make_dual(xs[rank], torch.ones_like(xs[rank])) if rank == 1 else xs[rank]
-            out = dispatcher(rank, world).dispatch(x, idxs[rank], ws[rank])
-            dispatcher(rank, world).combine(out.dequantized(), out.handle)
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32)
+        d = dispatcher(rank, world)
+
+        def step(x, scale=1.0):
+            out = d.dispatch(x, idxs[rank], ws[rank])
+            return d.combine(out.dequantized(torch.float32), out.handle) * scale
+
+        if rank == 0:
+            step(xs[0])
+        elif how == "dual_input":
+            with fwAD.dual_level():
+                step(fwAD.make_dual(xs[1], torch.ones_like(xs[1])))
+        else:
+            torch.func.jvp(lambda s: step(xs[1], s), (torch.tensor(1.0),), (torch.tensor(1.0),))
 
     msgs = _raises_then_recovers(bad, dispatcher)
-    assert "ranks [1] rejected their dispatch input" in msgs[0] and "no forward-mode AD (jvp)" in msgs[1], msgs
+    cause = "x is a dual tensor" if how == "dual_input" else "torch.func transforms"
+    assert "ranks [1] rejected their dispatch input" in msgs[0] and cause in msgs[1], msgs
 
 
 def test_empty_rank_raw_wire_backward_of_a_sum():
