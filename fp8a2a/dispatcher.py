@@ -687,7 +687,7 @@ class _DispatchFn(torch.autograd.Function):
         buf = ops.combine_pack(grad_rows.to(h.dtype).contiguous(), h.slot_pos, None, extra, quant)
         back = d._exchange(buf, h.recv_splits, h.send_splits)
         gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, h.dtype, quant, h.topk_idx.shape[1] if want_w else 0)
-        return gx, (gw if ctx.needs_input_grad[1] else None), None, None
+        return gx, (gw if want_w and ctx.needs_input_grad[1] else None), None, None
 
 
 def _combine_rows(expert_out, weights, handle):
