@@ -93,10 +93,14 @@ def _tracing() -> bool:
 
 def _forward_ad_active() -> bool:
     """A forward-AD level is entered (forward_ad.dual_level, torch.func.jvp). Dual tensors do not
-    require grad, so while one is, dispatch and combine keep their autograd Functions: those raise
-    for want of a jvp instead of dropping the tangents. The module global that dynamo's own
-    dual-level guard reads; -1 outside any level."""
+    require grad, so while one is, dispatch and combine keep their autograd Functions, which never
+    drop a tangent (a dual input is rejected before them: _check_no_tangent). The module global
+    that dynamo's own dual-level guard reads; -1 outside any level."""
     return forward_ad._current_level >= 0
+
+
+# a private torch API (torch.func's own check): looked up once, and absent means no transform
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _differentiable(*tensors) -> bool:
@@ -630,7 +634,7 @@ def _check_no_tangent(op: str, **tensors):
                 raise NotImplementedError(f"fp8a2a: {op} has no forward-mode AD (jvp), and {name} is a dual tensor")
     # torch.func's transforms need Functions with setup_context, which these are not: their error
     # would come from the Function's apply, after this rank's peers entered the exchange
-    if torch._C._are_functorch_transforms_active() and not _tracing():
+    if _functorch_transforms_active() and not _tracing():
         raise NotImplementedError(f"fp8a2a: {op} does not support torch.func transforms (jvp, grad, vmap)")
 
 
