@@ -100,7 +100,9 @@ inline int64_t act_dtype_code(const Tensor& x) {
 inline Tensor pack_input(const Tensor& x, int64_t granularity) {
   if (granularity != kRaw || x.scalar_type() == at::kByte) return x;
   check_activation(x, "x");
-  return x.view(at::kByte);
+  // an empty expanded tensor (the gradient of a sum on a rank without tokens) counts as contiguous,
+  // but its zero strides cannot be viewed as bytes: a fresh empty one can
+  return (x.numel() == 0 ? at::empty(x.sizes(), x.options()) : x).view(at::kByte);
 }
 
 inline void check_routing(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,

@@ -94,7 +94,7 @@ def _tracing() -> bool:
 def _forward_ad_active() -> bool:
     """A forward-AD level is entered (forward_ad.dual_level, torch.func.jvp). Dual tensors do not
     require grad, so while one is, dispatch and combine keep their autograd Functions, which never
-    drop a tangent (a dual input is rejected before them: _check_no_tangent). The module global
+    drop a tangent (a dual input is rejected before them: _tangent_error). The module global
     that dynamo's own dual-level guard reads; -1 outside any level."""
     return forward_ad._current_level >= 0
 
@@ -432,7 +432,9 @@ class Dispatcher:
             raise ValueError(f"fp8a2a: x must be float32, float16 or bfloat16, got {x.dtype}")
         if x.shape[1] == 0:
             raise ValueError("fp8a2a: x has hidden size 0")
-        _check_no_tangent("dispatch", x=x, topk_weights=topk_weights)
+        error = _tangent_error("dispatch", x=x, topk_weights=topk_weights)
+        if error is not None:
+            raise error
         # checked whatever wire this call takes: a rank under the size threshold must fail like the others
         if self.code == Granularity.BLOCK128 and x.shape[1] % 128:
             raise ValueError(f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
@@ -501,11 +503,8 @@ class Dispatcher:
 
     def _pack(self, x, route: _Route, wire, tensor_scale=None):
         # raw: the op sends x's own bytes and writes its dtype in the header, as for every wire
-        x = _detached(x).contiguous()
-        if not x.numel():  # an empty expanded tensor (the gradient of a sum) counts as contiguous,
-            x = x.new_empty(x.shape)  # but its zero strides cannot be viewed as bytes
-        return ops.dispatch_pack(x, route.topk_idx, route.topk_weights, self.num_experts * self.tp, self.world, wire,
-                                 tensor_scale, route.rank_capacity)
+        return ops.dispatch_pack(_detached(x).contiguous(), route.topk_idx, route.topk_weights,
+                                 self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
 
     def _unpack(self, recv, route: _Route, wire, recv_counts, hidden, dtype, num_rows):
         """dispatch_unpack of `num_rows` expert-major rows; a raw (unquantized) wire's rows come back
@@ -622,20 +621,21 @@ def _check_device(t: torch.Tensor, needs_cuda: bool, op: str):
                          f"CUDA tensors")
 
 
-def _check_no_tangent(op: str, **tensors):
-    """Dispatch and combine have no forward-mode AD (jvp) and no torch.func transforms: a dual
-    input, or a call inside a transform, is rejected before any collective, as any bad input is, so
-    that every rank raises (not after the exchanges, where the autograd Function would find no jvp
-    and the peers would wait in the next exchange). Inference mode disables forward AD: there the
-    tangents are ignored, as everywhere."""
+def _tangent_error(op: str, **tensors) -> Optional[Exception]:
+    """Why dispatch or combine must reject these inputs for forward-mode AD (None: fine). They have
+    no jvp and no torch.func support: a dual input, or a call inside a transform, is rejected
+    before any collective, as any bad input is, so that every rank raises (not after the exchanges,
+    where the autograd Function would fail and the peers wait in the next exchange). Inference mode
+    disables forward AD: there the tangents are ignored, as everywhere."""
     if _forward_ad_active() and not torch.is_inference_mode_enabled():
         for name, t in tensors.items():
             if forward_ad.unpack_dual(t).tangent is not None:
-                raise NotImplementedError(f"fp8a2a: {op} has no forward-mode AD (jvp), and {name} is a dual tensor")
+                return NotImplementedError(f"fp8a2a: {op} has no forward-mode AD (jvp), and {name} is a dual tensor")
     # torch.func's transforms need Functions with setup_context, which these are not: their error
     # would come from the Function's apply, after this rank's peers entered the exchange
     if _functorch_transforms_active() and not _tracing():
-        raise NotImplementedError(f"fp8a2a: {op} does not support torch.func transforms (jvp, grad, vmap)")
+        return NotImplementedError(f"fp8a2a: {op} does not support torch.func transforms (jvp, grad, vmap)")
+    return None
 
 
 _COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -654,11 +654,7 @@ def _combine_input_error(expert_out, handle: DispatchHandle) -> Optional[Excepti
     device = handle.send_pos.device
     if expert_out.device != device:
         return ValueError(f"fp8a2a: expert_out is on {expert_out.device}, but the dispatch ran on {device}")
-    try:
-        _check_no_tangent("combine", expert_out=expert_out)
-    except NotImplementedError as e:
-        return e
-    return None
+    return _tangent_error("combine", expert_out=expert_out)
 
 
 class _DispatchFn(torch.autograd.Function):

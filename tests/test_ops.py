@@ -378,3 +378,13 @@ def test_ops_trace_under_torch_compile():
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x, idx, w)
     assert torch.equal(eager, compiled)
 
+
+
+def test_raw_pack_takes_an_empty_expanded_activation():
+    # the gradient of y.sum() on a rank without tokens: contiguous by torch's rule, zero strides
+    from fp8a2a.wire import CountsCol, Granularity
+    x = torch.ones((), dtype=torch.bfloat16).expand(0, 64)
+    idx, w = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+    send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, int(Granularity.RAW), None, 0)
+    assert send.dtype == torch.uint8 and send.shape[0] == 0
+    assert counts[:, CountsCol.ROWS].tolist() == [0, 0] and counts[:, CountsCol.HIDDEN].tolist() == [128, 128]
