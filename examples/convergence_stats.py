@@ -149,7 +149,7 @@ def requirements(seeds, meta):
     cut count only in truncated_runs (left out) and replaced_runs (a complete run of the arm took
     their place)."""
     runs = [r for a in seeds.values() for r in a.values()]
-    cut = sum(1 for r in runs if r.get("truncated")) + sum(len(r["replaces"]) for r in runs if r.get("truncated"))
+    cut = sum(1 + len(r["replaces"]) for r in runs if r.get("truncated"))  # a cut run and those it outlasted
     replaced = sum(len(r["replaces"]) for r in runs if not r.get("truncated"))
     seeds = complete(seeds)
     runs = [r for a in seeds.values() for r in a.values()]
