@@ -31,6 +31,7 @@ NOISE_FACTOR = 2.0  # no seed's |gap| above twice the noise floor's largest |gap
 TARGET_ARMS = ("B", "C")  # held to the targets; D and E reported against the same bounds
 MIN_SEEDS, MIN_STEPS = 5, 3000
 TAIL_FRAC = 0.1  # how flat a curve ends: its fall over this last part of the run
+FINAL = "final validation loss (whole held-out split)"
 
 # two-sided 95% quantiles of Student's t, t(0.975, df), df = 1..30
 T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788,
@@ -144,6 +145,19 @@ def complete(seeds):
     return {s: a for s, a in done.items() if a}
 
 
+def at_step(rows, seeds, step):
+    """{seed: {arm: run}} as of `step`: every run that logged it, the deadline's cut runs included,
+    with its logged validation loss there (the fixed held-out subset) as its final one. A resumed
+    run's repeated log keeps its later row."""
+    val = {(r["run"], r["step"]): r["val_loss"] for r in rows}
+    out = {}
+    for seed, arms in seeds.items():
+        for arm, r in arms.items():
+            if (r["run"], step) in val:
+                out.setdefault(seed, {})[arm] = dict(r, final_val_loss=val[r["run"], step], steps=step, truncated=False)
+    return out
+
+
 def requirements(seeds, meta):
     """The issue's setup, as measured (not assumed), from the complete runs: the runs the deadline
     cut count only in truncated_runs (left out) and replaced_runs (a complete run of the arm took
@@ -191,9 +205,9 @@ def pct(v, signed=True):
     return "n/a" if v is None else (f"{100 * v:+.3f}%" if signed else f"{100 * v:.3f}%")
 
 
-def summary_text(table, nf, req, seeds, curves=None):
+def summary_text(table, nf, req, seeds, curves=None, title=FINAL):
     sl = sorted(seeds)
-    lines = ["final validation loss (whole held-out split) against arm A (bf16 alltoall) of the same seed",
+    lines = [title + " against arm A (bf16 alltoall) of the same seed",
              "| arm | run | " + " | ".join(f"seed {s}" for s in sl) + " | mean | 95% t-interval | max abs | "
              "|mean| <= 0.25% | CI inside +-0.5% | seeds <= 2x noise max | ms/step |",
              "| --- |" + " --- |" * (len(sl) + 8)]
@@ -213,7 +227,8 @@ def summary_text(table, nf, req, seeds, curves=None):
         lines.append(f"curves: over each run's last {curves['frac']:.0%} of steps its validation loss (logged subset) "
                      f"fell by {pct(statistics.median(f))} [{pct(f[0])}, {pct(f[-1])}] (median [min, max] over "
                      f"{len(f)} of {curves['runs']} runs; negative: it rose)")
-    lines.append("setup as measured: " + ", ".join(f"{k}={v}" for k, v in req.items()))
+    if req:
+        lines.append("setup as measured: " + ", ".join(f"{k}={v}" for k, v in req.items()))
     return "\n".join(lines)
 
 
@@ -262,9 +277,19 @@ def plot(rows, seeds, path):
     plt.close(fig)
 
 
-def merge(dirs, out, no_plot=False, log=print):
+def merge(dirs, out, no_plot=False, log=print, step=None):
+    """`step`: the same table also as of that step, from the logged validation losses, so that runs
+    the deadline cut after it count (beside the final table, which has only the complete runs)."""
     rows, seeds, meta = load_dirs(dirs)
     table, nf = evaluate(seeds)
+    early = None
+    if step:
+        early_seeds = at_step(rows, seeds, step)
+        early_table, early_nf = evaluate(early_seeds)
+        early = dict(step=step, seeds=sorted(early_seeds), noise_floor=early_nf, arms=early_table,
+                     gap=f"validation loss (logged subset) at step {step} / that of arm A of the same seed - 1",
+                     text=summary_text(early_table, early_nf, None, early_seeds,
+                                       title=f"validation loss at step {step} (the logged subset)"))
     req = requirements(seeds, meta)
     kept = complete(seeds)
     done = {r["run"] for a in kept.values() for r in a.values()}
@@ -280,13 +305,15 @@ def merge(dirs, out, no_plot=False, log=print):
                   gap="final val loss (whole held-out split) / that of arm A of the same seed - 1",
                   targets=dict(target_arms=list(TARGET_ARMS), abs_mean_max=TARGET_MEAN, ci95_within=TARGET_CI,
                                seed_gap_max_over_noise_max=NOISE_FACTOR),
-                  noise_floor=nf, arms=table, requirements=req, curves=curves,
+                  noise_floor=nf, arms=table, requirements=req, curves=curves, at_step=early,
                   per_seed={str(s): dict(runs=a, dirs=meta[s]) for s, a in sorted(seeds.items())})
     os.makedirs(out, exist_ok=True)
     write_csv(rows, os.path.join(out, "convergence.csv"))
     with open(os.path.join(out, "convergence_summary.json"), "w") as f:
         json.dump(merged, f, indent=2)
     text = summary_text(table, nf, req, kept, curves) + f"\nverdict: {verdict}\n"
+    if early:
+        text += "\n" + early["text"] + "\n"
     with open(os.path.join(out, "convergence_summary.txt"), "w") as f:
         f.write(text)
     log(text)

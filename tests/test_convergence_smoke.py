@@ -272,6 +272,23 @@ def test_megatron_merge_t_interval(tmp_path):
     if importlib.util.find_spec("matplotlib"):
         assert (out / "convergence.png").stat().st_size > 0
 
+    # Seed 6's arm B was cut (at step 2000 of 3000)
+    cut = synthetic_seed_dir(tmp_path / "cut", 6, dict(A=0.0, B=0.001), truncated=("B",))
+    # as of step 2000: seed 3's cut arm C counts (its gap then, from the logged val losses), and the
+    # complete run that replaced it stays; rows are v + 500 / s, so gaps shrink by v / (v + 0.25)
+    early = run_megatron_example("--merge", *dirs, cut, "--out", str(tmp_path / "early"), "--at-step", "2000",
+                                 "--quiet")
+    early_doc = json.loads((tmp_path / "early" / "convergence_summary.json").read_text())
+    at = early_doc["at_step"]
+    ref = {s: 1.0 + 0.01 * s for s in range(1, 7)}
+    want = {s: (ref[s] * (1 + b[s - 1]) + 0.25) / (ref[s] + 0.25) - 1 for s in range(1, 6)}
+    assert at["step"] == 2000 and at["seeds"] == [1, 2, 3, 4, 5, 6], early.stdout
+    assert at["arms"]["B"]["n"] == 6 and at["arms"]["B"]["gaps"]["6"] == pytest.approx(0.001 * 1.06 / 1.31)
+    assert [at["arms"]["B"]["gaps"][str(s)] for s in range(1, 6)] == pytest.approx(list(want.values()))
+    assert at["arms"]["C"]["gaps"]["3"] == pytest.approx(c[2] * 1.03 / 1.28) and at["noise_floor"]["n"] == 5
+    assert "validation loss at step 2000 (the logged subset)" in (tmp_path / "early" / "convergence_summary.txt").read_text()
+    assert "6" not in early_doc["arms"]["B"]["gaps"]  # the final table: complete runs only
+
     # two seeds: t(0.975, 1) = 12.706; a seed whose arms start from other weights is refused
     two = run_megatron_example("--merge", dirs[0], dirs[1], "--out", str(tmp_path / "two"), "--quiet")
     two_doc = json.loads((tmp_path / "two" / "convergence_summary.json").read_text())
@@ -279,7 +296,6 @@ def test_megatron_merge_t_interval(tmp_path):
     assert two_doc["requirements"]["enough_seeds"] is False and "falls short" in two_doc["verdict"]
     # cut runs with nothing to replace them: no gap, no curve, no seed of their own; counted as cut.
     # Seed 6's arm B was cut twice (the longer run stays), seed 7 has only a cut run
-    cut = synthetic_seed_dir(tmp_path / "cut", 6, dict(A=0.0, B=0.001), truncated=("B",))
     cut_again = synthetic_seed_dir(tmp_path / "cut2", 6, dict(B=0.002), steps=1500, truncated=("B",))
     only_cut = synthetic_seed_dir(tmp_path / "cut3", 7, dict(B=0.0), truncated=("B",))
     three = run_megatron_example("--merge", dirs[0], dirs[1], cut_again, cut, only_cut, "--out", str(tmp_path / "three"),
