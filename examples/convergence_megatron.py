@@ -37,7 +37,7 @@ seed's |gap| above twice the noise floor's largest; D and E reported against the
 Writes convergence.csv, convergence_summary.json, convergence_summary.txt, convergence.png. The
 statistics and the report are examples/convergence_stats.py's (with ARMS, the table above): merging
 needs no GPU, Megatron or TE. --at-step N adds the same table as of step N, from the logged validation
-loss (the fixed held-out subset), where a run the deadline cut after step N counts too.
+loss (the fixed held-out subset), where a run the deadline cut at or after step N counts too.
 
 --time-budget SEC: every arm is timed for a few steps first; arms are trained in order (A first)
 while their estimated time fits, the others are listed in summary.json as skipped (run them in
@@ -517,7 +517,7 @@ def main(argv=None):
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="train nothing: merge per-seed dirs into --out")
     p.add_argument("--at-step", type=int, help="--merge: the table also as of this step (logged subset), "
-                   "where runs the deadline cut after it count")
+                   "where runs the deadline cut at or after it count")
     p.add_argument("--checkpoint-dir", help="save runs the deadline cuts here, and continue them from here")
     a = p.parse_args(argv)
     log = (lambda *s: None) if a.quiet else (lambda *s: print(*s, flush=True))

@@ -146,9 +146,9 @@ def complete(seeds):
 
 
 def at_step(rows, seeds, step):
-    """{seed: {arm: run}} as of `step`: every run that logged it, the deadline's cut runs included,
-    with its logged validation loss there (the fixed held-out subset) as its final one. A resumed
-    run's repeated log keeps its later row."""
+    """{seed: {arm: run}} as of `step`: each run load_dirs kept (a cut run only where no complete or
+    longer run of its arm replaced it) that logged `step`, with its logged validation loss there (the
+    fixed held-out subset) as its final one. A resumed run's repeated log keeps its later row."""
     val = {(r["run"], r["step"]): r["val_loss"] for r in rows}
     out = {}
     for seed, arms in seeds.items():
@@ -279,7 +279,7 @@ def plot(rows, seeds, path):
 
 def merge(dirs, out, no_plot=False, log=print, step=None):
     """`step`: the same table also as of that step, from the logged validation losses, so that runs
-    the deadline cut after it count (beside the final table, which has only the complete runs)."""
+    the deadline cut at or after it count (beside the final table, which has only the complete runs)."""
     rows, seeds, meta = load_dirs(dirs)
     table, nf = evaluate(seeds)
     early = None

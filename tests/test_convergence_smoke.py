@@ -274,8 +274,9 @@ def test_megatron_merge_t_interval(tmp_path):
 
     # Seed 6's arm B was cut (at step 2000 of 3000)
     cut = synthetic_seed_dir(tmp_path / "cut", 6, dict(A=0.0, B=0.001), truncated=("B",))
-    # as of step 2000: seed 3's cut arm C counts (its gap then, from the logged val losses), and the
-    # complete run that replaced it stays; rows are v + 500 / s, so gaps shrink by v / (v + 0.25)
+    # as of step 2000: seed 6's cut arm B counts (its gap then, from the logged val losses), and seed
+    # 3's arm C is the complete run that replaced its cut one; rows are v + 500 / s, so gaps shrink
+    # by v / (v + 0.25)
     early = run_megatron_example("--merge", *dirs, cut, "--out", str(tmp_path / "early"), "--at-step", "2000",
                                  "--quiet")
     early_doc = json.loads((tmp_path / "early" / "convergence_summary.json").read_text())
@@ -288,6 +289,10 @@ def test_megatron_merge_t_interval(tmp_path):
     assert at["arms"]["C"]["gaps"]["3"] == pytest.approx(c[2] * 1.03 / 1.28) and at["noise_floor"]["n"] == 5
     assert "validation loss at step 2000 (the logged subset)" in (tmp_path / "early" / "convergence_summary.txt").read_text()
     assert "6" not in early_doc["arms"]["B"]["gaps"]  # the final table: complete runs only
+    # as of step 3000, which seed 6's arm B did not reach: left out
+    run_megatron_example("--merge", *dirs, cut, "--out", str(tmp_path / "late"), "--at-step", "3000", "--quiet")
+    late = json.loads((tmp_path / "late" / "convergence_summary.json").read_text())["at_step"]
+    assert "6" not in late["arms"]["B"]["gaps"] and late["arms"]["B"]["n"] == 5 and late["seeds"] == [1, 2, 3, 4, 5, 6]
 
     # two seeds: t(0.975, 1) = 12.706; a seed whose arms start from other weights is refused
     two = run_megatron_example("--merge", dirs[0], dirs[1], "--out", str(tmp_path / "two"), "--quiet")
