@@ -13,7 +13,7 @@ fc2 one kernel computes act(z) * router_weight and quantizes it per row for fc2.
 straight-through for every quantization: dX = dY @ W on the BF16 master weights (fp8_dgrad=True:
 dY quantized per row, W per input channel, FP8 GEMM), dW = dY^T @ x_hat in BF16 where x_hat is
 rebuilt from the saved FP8 rows and scales: no BF16 copy of any GEMM input is saved.
-fp8_wgrad=True (opt-in, lossy: BENCHMARKS.md has its error against the BF16 dW) computes
+fp8_wgrad=True (opt-in, lossy: README gives its error against the BF16 dW) computes
 dW from FP8 operands: dY and x_hat quantized per (expert, column), since the GEMM reduces over each
 expert's rows, scales by the package rule (amax / 448 over the expert's rows), one
 torch._scaled_grouped_mm (2d x 2d, groups padded to 16 rows) on the 'scaled_grouped_mm' backend; the
