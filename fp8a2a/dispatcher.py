@@ -92,10 +92,9 @@ def _tracing() -> bool:
 
 
 def _forward_ad_active() -> bool:
-    """A forward-AD level is entered (forward_ad.dual_level, torch.func.jvp). Dual tensors do not
-    require grad, so while one is, dispatch and combine keep their autograd Functions, which never
-    drop a tangent (a dual input is rejected before them: _tangent_error). The module global
-    that dynamo's own dual-level guard reads; -1 outside any level."""
+    """A forward-AD level is entered (forward_ad.dual_level, torch.func.jvp): only then can an input
+    be dual, and _tangent_error looks. The module global that dynamo's own dual-level guard reads;
+    -1 outside any level."""
     return forward_ad._current_level >= 0
 
 
@@ -105,12 +104,13 @@ _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_acti
 
 def _differentiable(*tensors) -> bool:
     """Whether a call must go through its autograd Function: grad mode and an input (None: absent)
-    that requires grad, or a forward-AD level entered."""
+    that requires grad. Dual inputs, which do not require grad, never get here: _tangent_error
+    rejects them first, so no tangent is dropped by the bypass."""
     if torch.is_grad_enabled():
         for t in tensors:
             if t is not None and t.requires_grad:
                 return True
-    return _forward_ad_active()
+    return False
 
 
 # Every tensor op called from Python is a host-side dispatch (and a launch on the GPU), even when it

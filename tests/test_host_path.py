@@ -135,9 +135,9 @@ def test_tensor_scale_requiring_grad(mode):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("dual", ["x", "topk_weights", "expert_out"])
 def test_forward_ad_is_not_bypassed(dual, mode, wire):
-    # Dual tensors do not require grad: the bypass must not take them and drop their tangents. As
-    # before it, the Functions (which have no jvp) raise; inference mode disables forward AD, and
-    # there the tangents go as they always did.
+    # Dual tensors do not require grad: the bypass must not take them and drop their tangents. The
+    # input checks reject them (dispatch and combine have no jvp); inference mode disables forward
+    # AD, and there the tangents go as they always did.
     d = _dispatcher(wire, "compact")
     x, idx, w, _ = _inputs()
     raises = pytest.raises(NotImplementedError, match="jvp") if mode != "inference_mode" else \
