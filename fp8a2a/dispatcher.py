@@ -1,25 +1,21 @@
-"""Expert-parallel dispatch and combine: one uint8 all_to_all_single per direction, with autograd.
-
-Dispatch (forward):  dispatch_pack -> all_to_all(counts) -> one host sync -> all_to_all(rows)
-                     -> dispatch_unpack.  Rows carry FP8 payload, scales and routing together.
-Combine (forward):   combine_pack (sum of a token's local experts, weighted) -> all_to_all
-                     -> combine_unpack (sum over ranks).
-Backward reuses the same machinery in the other direction: dispatch backward is a combine of
-the row gradients (BF16 by default) that also carries the router-weight gradients; combine
-backward is a dispatch of dy (FP8 by default) over the cached layout, with no counts exchange.
-"""
+"""The public facade: Dispatcher's options, their agreement across ranks, the input checks, and
+dispatch / combine over the exchange engine (fp8a2a.exchange) and its autograd (fp8a2a.autograd)."""
 import math
 import struct
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.autograd import forward_ad
 
-from . import ops
-from .quant import QuantizedTensor, checked_tensor_scale, dequantize, scale_rule, tensor_amax
-from .wire import ACT_DTYPES, REJECTED, CountsCol, Granularity
+from . import exchange, ops
+from .autograd import combine_rows, dispatch_rows
+from .exchange import ExchangeSpec, Layout, Route
+from .quant import QuantizedTensor, checked_tensor_scale, dequantize
+from .wire import Granularity
+
+DispatchHandle = Layout  # what dispatch returns for combine and the backward passes
 
 # Below this many bytes of input per rank, the dispatch sends the activation unquantized: the
 # exchange is latency-bound there and BF16 costs no extra kernel in this design, so it is free
@@ -71,11 +67,6 @@ def _show_float32_scale(bits: int):
     return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
-# The counts header's columns as plain ints for the per-call reads (an enum member lookup is a
-# Python attribute access each time).
-_HIDDEN, _BAD_IDS, _WIRE, _ROWS, _EXPERTS = (int(c) for c in (CountsCol.HIDDEN, CountsCol.BAD_IDS, CountsCol.WIRE,
-                                                              CountsCol.ROWS, CountsCol.EXPERTS))
-
 # The options _check_agreement compares (name, how to print a rank's value), in the order of
 # Dispatcher._agreed_options.
 _AGREED_OPTIONS = (("num_experts", int), ("granularity", lambda c: Granularity(c).label), ("expert_tp_size", int),
@@ -84,6 +75,12 @@ _AGREED_OPTIONS = (("num_experts", int), ("granularity", lambda c: Granularity(c
 
 
 _INVALID_OPTIONS = -3  # every value of a rank's agreement row: its options were rejected before it
+
+
+def _device(group):
+    """Where the group's collectives take tensors: CUDA for NCCL, else the CPU."""
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def _tracing() -> bool:
@@ -102,90 +99,11 @@ def _forward_ad_active() -> bool:
 _functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
-def _differentiable(*tensors) -> bool:
-    """Whether a call must go through its autograd Function: grad mode and an input (None: absent)
-    that requires grad. Dual inputs, which do not require grad, never get here: _tangent_error
-    rejects them first, so no tangent is dropped by the bypass."""
-    if torch.is_grad_enabled():
-        for t in tensors:
-            if t is not None and t.requires_grad:
-                return True
-    return False
-
-
-# Every tensor op called from Python is a host-side dispatch (and a launch on the GPU), even when it
-# returns its input unchanged: the helpers below call one only when it changes something.
-
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach() if t.requires_grad else t
-
-
 def _float32_weights(t: torch.Tensor) -> torch.Tensor:
-    """Router weights as the ops take them: float32, contiguous, without autograd history."""
-    t = _detached(t)
+    """Router weights as the ops take them: float32, contiguous, without autograd history. Every
+    tensor op is a host-side dispatch (and a launch on the GPU): called only where it changes something."""
+    t = t.detach() if t.requires_grad else t
     return (t if t.dtype == torch.float32 else t.float()).contiguous()
-
-
-@dataclass(frozen=True)
-class _Route:
-    """One dispatch's routing as the kernels take it: after the capacity drop and the expert-TP
-    replication (K' = K * expert_tp_size slots)."""
-    topk_idx: torch.Tensor  # [T, K'] contiguous
-    topk_weights: torch.Tensor  # [T, K'] float32, detached (only its layout is reused)
-    # (route.topk_weights, handle.topk_weights: may be the caller's tensor itself, not a copy)
-    rank_capacity: int = 0  # capacity mode: rows per destination rank segment (0: compact)
-    expert_capacity: int = 0  # capacity mode: rows per (source rank, local expert)
-    dropped: Optional[torch.Tensor] = None  # capacity mode: slots dropped on this rank (device)
-
-
-@dataclass(frozen=True)
-class DispatchHandle(_Route):
-    """What combine and the backward passes need, built in one go per dispatch after its unpack;
-    opaque to callers but for dropped, invalid_ids, num_rows and tokens_per_expert_list."""
-    dispatcher: "Dispatcher" = None
-    hidden: int = 0
-    dtype: torch.dtype = torch.bfloat16
-    wire: Granularity = Granularity.ROW  # what the rows were sent as (RAW: unquantized)
-    send_pos: torch.Tensor = None  # [T, R] int32: send row of token t for rank r, or -1
-    slot_pos: torch.Tensor = None  # [Nr, K'] int32: expert-major row of each received slot, or -1
-    recv_counts: torch.Tensor = None  # [R, CountsCol.EXPERTS + local experts] int64 (device)
-    # the counts exchange as read by the one host sync (compact mode; empty in capacity mode):
-    # what this rank sent to each rank, and what it received from each
-    send_counts_host: List[List[int]] = field(default_factory=list)
-    recv_counts_host: List[List[int]] = field(default_factory=list)
-    send_splits: List[int] = field(default_factory=list)  # rows sent to each rank
-    recv_splits: List[int] = field(default_factory=list)  # rows received from each rank
-    num_rows: int = 0  # expert-major rows N
-    tensor_scale: Optional[torch.Tensor] = None  # the agreed scale in 'tensor' granularity
-    invalid_ids: Optional[torch.Tensor] = None  # capacity mode: out-of-range ids seen (device)
-    tokens_received: Optional[torch.Tensor] = None  # capacity mode: real rows per local expert
-    weights: Optional[torch.Tensor] = None  # received router weights [N] (autograd-connected)
-
-    @property
-    def tokens_per_expert_list(self) -> List[int]:
-        """Rows per local expert on the host (no extra sync); built on demand: a Python sum over
-        ranks x experts is not free at hundreds of experts."""
-        if self.expert_capacity:  # capacity mode: every expert holds its padded rows
-            d = self.dispatcher
-            return [d.world * self.expert_capacity] * d.num_local_experts
-        return [sum(col) for col in zip(*(row[CountsCol.EXPERTS:] for row in self.recv_counts_host))]
-
-
-_HANDLE_DEFAULTS = {f.name: f.default for f in fields(DispatchHandle) if f.default is not MISSING}
-_HANDLE_FACTORIES = [(f.name, f.default_factory) for f in fields(DispatchHandle) if f.default_factory is not MISSING]
-
-
-def _new_handle(values: dict) -> DispatchHandle:
-    """DispatchHandle(**values) in one dict update: a frozen dataclass's __init__ sets each of its many
-    fields through object.__setattr__, on every dispatch."""
-    state = dict(_HANDLE_DEFAULTS)
-    state.update(values)
-    for name, factory in _HANDLE_FACTORIES:
-        if name not in values:
-            state[name] = factory()
-    handle = object.__new__(DispatchHandle)
-    handle.__dict__.update(state)
-    return handle
 
 
 @dataclass
@@ -251,7 +169,7 @@ class Dispatcher:
         except Exception:
             if self.world > 1:  # the peers are on their way into the agreement: make them raise too
                 try:
-                    self._gather_ints([_INVALID_OPTIONS] * len(_AGREED_OPTIONS))
+                    exchange.gather_ints(group, self.world, [_INVALID_OPTIONS] * len(_AGREED_OPTIONS), _device(group))
                 except Exception:  # e.g. the peers are gone: the option error is the one to see
                     pass
             raise
@@ -276,8 +194,10 @@ class Dispatcher:
                 scale_error, scale_bits = e, -2
         self.tensor_scale = tensor_scale
         self.capacity_factor = config.capacity_factor
-        self._validated_shapes = set()
         self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
+        self.spec = ExchangeSpec(group, self.world, self.local, num_experts * self.tp, self.num_local_experts,
+                                 self.code, self.fp8_combine, self.fp8_dispatch_backward, tensor_scale,
+                                 self.bf16_below_bytes)
         # NCCL moves CUDA tensors only (gloo takes CPU and CUDA ones): checked per call, before any
         # collective, as an attribute read
         self._needs_cuda = not self.local and dist.get_backend(group) == "nccl"
@@ -294,7 +214,7 @@ class Dispatcher:
         # gather too (-2), so that every rank raises. Not compared: bf16_below_bytes (the ranks
         # agree on the wire format per call, in the counts exchange: it may differ by rank) and
         # always_communicate (it only matters at group size 1, where there is no peer).
-        every = self._gather_ints(self._agreed_options(scale_bits))
+        every = exchange.gather_ints(self.group, self.world, self._agreed_options(scale_bits), _device(self.group))
         if scale_error is not None:
             raise scale_error
         invalid = [r for r, v in enumerate(every) if v[0] == _INVALID_OPTIONS]
@@ -316,42 +236,27 @@ class Dispatcher:
         return [self.num_experts, int(self.code), self.tp, scale_bits, int(self.fp8_combine),
                 int(self.fp8_dispatch_backward), -1 if cap is None else _float64_bits(cap)]
 
-    def _gather_ints(self, values: List[int]) -> List[List[int]]:
-        """Every rank's `values` (one all-gather, one host read): for once-per-setup agreement checks."""
-        mine = torch.tensor(values, dtype=torch.int64, device=self._device())
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(every, mine, group=self.group)
-        return torch.stack(every).cpu().tolist()
-
-    def _device(self):
-        backend = dist.get_backend(self.group)
-        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-    # ---- the two collectives -------------------------------------------------------------
-
-    def _exchange(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
-        sent = send_splits[0] if self.local else sum(send_splits)
-        if sent != send.shape[0]:  # the pack allocates for the worst case
-            send = send[:sent]
-        if self.local:
-            return send
-        recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
-        return recv
-
-    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        if self.local:
-            return counts
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
-        return recv
-
     # ---- public API ------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         """Send each token (once per destination rank) to the ranks of its top-k experts.
 
-        x [T, H] float; topk_idx int [T, K] (-1 = not routed); topk_weights [T, K]."""
+        Arguments:
+            x: [T, H] bfloat16, float16 or float32, the tokens of this rank (T may differ by rank,
+                but not in capacity mode).
+            topk_idx: [T, K] int64 or int32, global expert ids; -1 leaves a slot unrouted.
+            topk_weights: [T, K] floating point, the router weights (their gradient comes back
+                through combine or `out.weights`).
+
+        Returns:
+            DispatchOutput: `tokens` [N, H], the rows this rank's experts serve, grouped by local
+            expert (a QuantizedTensor: e4m3 data and its scales; a plain tensor in x's dtype when
+            the input was under `bf16_below_bytes` on every rank); `tokens_per_expert` int64
+            [num_local_experts]; `weights` float32 [N], each row's router weight; `handle`, which
+            combine and the backward passes reuse.
+
+        One host sync (the counts exchange; none in capacity mode). A rank whose input is rejected
+        makes its peers raise too, rather than leave them waiting."""
         try:  # a rank whose input is rejected here makes the others raise too, not wait for it
             self._check_inputs(x, topk_idx, topk_weights)
             capacity = {}
@@ -366,22 +271,13 @@ class Dispatcher:
                                 dropped=dropped)
             if self.tp > 1:
                 topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
-            route = _Route(topk_idx.contiguous(), _float32_weights(topk_weights), **capacity)
+            route = Route(topk_idx.contiguous(), _float32_weights(topk_weights), **capacity)
         except Exception:
-            self._fail_peers(reduced=False)
+            self._fail_peers(amax_pending=True)
             raise
-        # The autograd Function runs its forward without grad mode: without it, so must every input
-        # (the tensor scale included), or an output could carry a history the Function's would not.
-        if _differentiable(x, topk_weights, self.tensor_scale):
-            rows, weights, data, scale, tpe, layout = _DispatchFn.apply(x, topk_weights, self, route)
-            anchor = rows if rows.requires_grad else None
-        else:  # nothing to differentiate: skip the Function's bookkeeping, a host cost on every call
-            data, scale, weights, tpe, layout = self._forward(x, route)
-            rows, anchor = data, None
-        # the handle callers get carries the weights; what the backward keeps does not (a cycle)
-        handle = _new_handle(dict(layout, weights=weights))
+        data, scale, weights, tpe, handle, anchor = dispatch_rows(self.spec, x, topk_weights, route, self._fail_peers)
         if handle.wire == Granularity.RAW:
-            tokens = rows
+            tokens = data
         else:
             if self.code == Granularity.TENSOR:
                 scale = handle.tensor_scale
@@ -389,7 +285,18 @@ class Dispatcher:
         return DispatchOutput(tokens, tpe, weights, handle)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, apply_weights: bool = True) -> torch.Tensor:
-        """y [T, H] in x.dtype: sum over k of weight * expert row (apply_weights=False: unweighted).
+        """Send the experts' rows back to their tokens and sum them.
+
+        Arguments:
+            expert_out: [N, H] bfloat16, float16, float32 or float64, one row per dispatched row, in
+                the order of `out.tokens`.
+            handle: the dispatch's `out.handle`.
+            apply_weights: multiply each row by its router weight (False: the experts applied it,
+                as Megatron's do).
+
+        Returns:
+            y [T, H] in the dispatch's x dtype: for each token, the sum over its slots of weight *
+            expert row, accumulated in float32 and converted last.
 
         A rank whose expert_out is rejected still takes part in the exchange (rows of 0xFF bytes, so
         the peers' y is NaN in every token this rank served; they cannot raise without a host sync)
@@ -398,14 +305,9 @@ class Dispatcher:
             raise TypeError(f"fp8a2a: combine expects the DispatchHandle of a dispatch, got {type(handle).__name__}")
         error = _combine_input_error(expert_out, handle)
         if error is not None:
-            handle.dispatcher._poison_combine(handle)
+            exchange.poison_combine(handle)
             raise error
-        weights = handle.weights if apply_weights else None
-        if expert_out.dtype != handle.dtype:
-            expert_out = expert_out.to(handle.dtype)
-        if _differentiable(expert_out, weights):
-            return _CombineFn.apply(expert_out, weights, handle)
-        return _combine_rows(expert_out, weights, handle)  # nothing to differentiate: no Function
+        return combine_rows(expert_out, handle.weights if apply_weights else None, handle)
 
     # ---- pieces used by the autograd functions ---------------------------------------------
 
@@ -439,38 +341,12 @@ class Dispatcher:
         if self.code == Granularity.BLOCK128 and x.shape[1] % 128:
             raise ValueError(f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
 
-    def _fail_peers(self, reduced: bool = True):
-        """This rank rejected its input before the counts exchange. Take part in the collectives the
-        other ranks are waiting in (the tensor-mode amax all-reduce unless `reduced`, then the counts
-        exchange) with a header that marks the failure, so they raise (_agree_on_wire) instead of
-        hanging. Capacity mode reads no header after a shape's first call: see README's limits."""
+    def _fail_peers(self, amax_pending: bool = False):
+        """This rank rejected its dispatch input: make the peers raise too (exchange.fail_dispatch)."""
         if self.local:
             return
-        try:
-            device = self._device()
-            if self.code == Granularity.TENSOR and self.tensor_scale is None and not reduced:
-                dist.all_reduce(torch.zeros((), device=device), op=dist.ReduceOp.MAX, group=self.group)
-            header = torch.zeros((self.world, CountsCol.EXPERTS + self.num_local_experts), dtype=torch.int64,
-                                 device=device)
-            header[:, CountsCol.BAD_IDS] = REJECTED
-            self._exchange_counts(header)
-        except Exception:  # e.g. the peers are gone: the input error is the one the caller must see
-            pass
-
-    def _poison_combine(self, handle):
-        """This rank rejected its combine input. Its peers are already on their way into the combine
-        exchange and read nothing on the host there, so they cannot be told to raise: send them rows
-        of the exchange's exact sizes whose bytes are all 0xFF (NaN in a BF16/FP16/FP32 payload, and
-        in an e4m3 payload with its f32 scale), which their combine_unpack sums into the tokens this
-        rank served: NaN, never finite wrong values."""
-        if self.local:
-            return
-        try:
-            row = ops.combine_row_bytes(handle.hidden, handle.dtype, self.fp8_combine, 0)
-            buf = torch.full((sum(handle.recv_splits), row), 0xFF, dtype=torch.uint8, device=handle.send_pos.device)
-            self._exchange(buf, handle.recv_splits, handle.send_splits)
-        except Exception:  # e.g. the peers are gone: the input error is the one the caller must see
-            pass
+        pending = amax_pending and self.code == Granularity.TENSOR and self.tensor_scale is None
+        exchange.fail_dispatch(self.spec, _device(self.group), pending)
 
     def _replicate_over_tp(self, topk_idx, topk_weights):
         """Expert TP as routing: expert e becomes one virtual expert on each TP rank of its EP rank,
@@ -484,127 +360,6 @@ class Dispatcher:
         bad = torch.where(e == -1, -1, self.num_experts * tp)  # keep bad ids bad, -1 unrouted
         idx = torch.where(valid, virtual, bad).flatten(1)
         return idx, topk_weights.unsqueeze(-1).expand(*topk_weights.shape, tp).flatten(1)
-
-    def _tensor_scale(self, x):
-        """(the dequant scale s, what dispatch_pack takes: s for a given scale, whose multiplier is
-        1 / s; [s, 448 / amax] for one from the amax: the scale rule, so the bytes equal row
-        granularity's for the same amax)."""
-        if self.tensor_scale is not None:
-            scale = self.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
-            return scale, scale
-        amax = tensor_amax(x)
-        if self.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
-            # NaN as inf: a MAX all-reduce may drop NaN (gloo, by rank order); inf poisons every rank alike
-            amax = torch.nan_to_num(amax, nan=math.inf, posinf=math.inf)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        q, s = scale_rule(amax)
-        sq = torch.stack((s, q))
-        return sq[0], sq
-
-    def _pack(self, x, route: _Route, wire, tensor_scale=None):
-        # raw: the op sends x's own bytes and writes its dtype in the header, as for every wire
-        return ops.dispatch_pack(_detached(x).contiguous(), route.topk_idx, route.topk_weights,
-                                 self.num_experts * self.tp, self.world, wire, tensor_scale, route.rank_capacity)
-
-    def _unpack(self, recv, route: _Route, wire, recv_counts, hidden, dtype, num_rows):
-        """dispatch_unpack of `num_rows` expert-major rows; a raw (unquantized) wire's rows come back
-        viewed as [N, hidden] `dtype`."""
-        raw = wire == Granularity.RAW
-        out = ops.dispatch_unpack(recv, recv_counts, hidden * dtype.itemsize if raw else hidden, wire,
-                                  route.topk_idx.shape[1], num_rows, route.rank_capacity, route.expert_capacity)
-        return (out[0].view(dtype),) + tuple(out[1:]) if raw else out
-
-    def _forward(self, x, route: _Route):
-        """(data, scales, weights, tokens per expert, the DispatchHandle fields of this call but its
-        weights, as a dict)."""
-        elem = x.element_size()
-        capacity = route.expert_capacity > 0
-        # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
-        local = Granularity.RAW if x.numel() * elem < self.bf16_below_bytes and not capacity else self.code
-        scale, packed_scale = self._tensor_scale(x) if self.code == Granularity.TENSOR else (None, None)
-        try:
-            send, counts, send_pos = self._pack(x, route, local, packed_scale)
-        except Exception:
-            self._fail_peers()
-            raise
-        recv_counts = self._exchange_counts(counts)
-        if capacity:
-            return self._forward_static(x, route, scale, send, counts, send_pos, recv_counts)
-        # The one host sync of a dispatch: what we send and what we receive, in one copy (tolist
-        # copies a device tensor to the host itself).
-        host = (counts if self.local else torch.cat([counts, recv_counts])).tolist()
-        mine, theirs = host[: self.world], host[-self.world:]
-        wire = self._agree_on_wire(theirs, x.shape[1], elem)
-        if wire != local:  # this rank was under the size threshold but others were not
-            send, counts, send_pos = self._pack(x, route, wire, packed_scale)
-        send_splits = [row[_ROWS] for row in mine]
-        recv_splits = [row[_ROWS] for row in theirs]
-        num_rows = sum(sum(row[_EXPERTS:]) for row in theirs)
-        recv = self._exchange(send, send_splits, recv_splits)
-        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, route, wire, recv_counts, x.shape[1], x.dtype,
-                                                                   num_rows)
-        layout = dict(vars(route), dispatcher=self, hidden=x.shape[1], dtype=x.dtype, wire=wire, send_pos=send_pos,
-                      slot_pos=slot_pos, recv_counts=recv_counts, send_counts_host=mine, recv_counts_host=theirs,
-                      send_splits=send_splits, recv_splits=recv_splits, num_rows=num_rows, tensor_scale=scale)
-        return data, scale_rows, weights, tpe, layout
-
-    def _forward_static(self, x, route, scale, send, counts, send_pos, recv_counts):
-        """Capacity mode: fixed splits and a fixed expert-major layout, so nothing is read on the host."""
-        key = (tuple(x.shape), route.topk_idx.shape[1], x.dtype)
-        if key not in self._validated_shapes:  # once per new shape: the checks the sync would do
-            # out-of-range ids are counted (handle.invalid_ids), on this call as on every later one
-            self._agree_on_wire(recv_counts.cpu().tolist(), x.shape[1], x.element_size(), raise_on_bad_ids=False)
-            if self.world > 1:  # static splits need the same tokens per rank everywhere
-                tokens = [v[0] for v in self._gather_ints([x.shape[0]])]
-                if len(set(tokens)) != 1:
-                    raise ValueError(f"fp8a2a: capacity mode needs the same number of tokens on every rank, got "
-                                     f"{tokens}")
-            self._validated_shapes.add(key)
-        splits = [route.rank_capacity] * self.world
-        num_rows = self.world * route.expert_capacity * self.num_local_experts
-        recv = self._exchange(send, splits, splits)
-        data, scale_rows, weights, tpe, slot_pos, _ = self._unpack(recv, route, self.code, recv_counts, x.shape[1],
-                                                                   x.dtype, num_rows)
-        padded = torch.full_like(tpe, self.world * route.expert_capacity)
-        layout = dict(vars(route), dispatcher=self, hidden=x.shape[1], dtype=x.dtype, wire=self.code,
-                      send_pos=send_pos, slot_pos=slot_pos, recv_counts=recv_counts, send_splits=splits,
-                      recv_splits=splits, num_rows=num_rows, tensor_scale=scale,
-                      invalid_ids=counts[0, CountsCol.BAD_IDS], tokens_received=tpe)
-        return data, scale_rows, weights, padded, layout
-
-    def _agree_on_wire(self, headers, hidden, elem, raise_on_bad_ids=True):
-        """Check every rank's header (rows of the counts exchange, as lists: all ranks see all
-        headers, so all raise together) and agree on one wire format: FP8 if any rank packed FP8
-        (the size policy is local). Out-of-range expert ids raise unless not `raise_on_bad_ids`
-        (capacity mode, which counts them)."""
-        # The common case first: every rank sent the same header, valid and without bad ids, and
-        # its hidden size is this rank's. Anything else takes the full checks below, which name
-        # what differs.
-        head = headers[0][:_ROWS]
-        if head[_BAD_IDS] == 0 and all(row[:_ROWS] == head for row in headers[1:]):
-            raw = head[_WIRE] == Granularity.RAW
-            if (head[_HIDDEN] // elem if raw else head[_HIDDEN]) == hidden:
-                return Granularity.RAW if raw else self.code
-        failed = [r for r, row in enumerate(headers) if row[CountsCol.BAD_IDS] < 0]  # REJECTED
-        if failed:
-            raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
-                               f"this rank raises too instead of waiting for them")
-        bad = [row[CountsCol.BAD_IDS] for row in headers]
-        if raise_on_bad_ids and any(bad):
-            raise ValueError(f"fp8a2a: expert ids outside [-1, {self.num_experts}) on ranks "
-                             f"{[r for r, b in enumerate(bad) if b]} ({bad} ids)")
-        topks = [row[CountsCol.TOPK] for row in headers]
-        if len(set(topks)) != 1:
-            raise ValueError(f"fp8a2a: ranks use different top-k: {topks}")
-        dtypes = [row[CountsCol.DTYPE] for row in headers]
-        if len(set(dtypes)) != 1:  # combine's rows carry x's dtype: they would differ in size or meaning
-            raise ValueError(f"fp8a2a: ranks dispatch x of different dtypes: {[ACT_DTYPES.get(d, d) for d in dtypes]}")
-        wires = [row[CountsCol.WIRE] for row in headers]
-        sizes = [row[CountsCol.HIDDEN] // elem if w == Granularity.RAW else row[CountsCol.HIDDEN] for row, w in zip(headers, wires)]
-        if any(s != hidden for s in sizes):
-            raise ValueError(f"fp8a2a: ranks use different hidden sizes: {sizes} (this rank: {hidden})")
-        raw = [w == Granularity.RAW for w in wires]
-        return Granularity.RAW if all(raw) else self.code
 
 
 _IDX_DTYPES = (torch.int64, torch.int32)
@@ -655,79 +410,3 @@ def _combine_input_error(expert_out, handle: DispatchHandle) -> Optional[Excepti
     if expert_out.device != device:
         return ValueError(f"fp8a2a: expert_out is on {expert_out.device}, but the dispatch ran on {device}")
     return _tangent_error("combine", expert_out=expert_out)
-
-
-class _DispatchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, dispatcher, route):
-        data, scale, weights, tpe, layout = dispatcher._forward(x, route)
-        ctx.layout = layout  # without the weights: they would close a reference cycle through ctx
-        if layout["wire"] == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
-            placeholder = data.new_empty(0)
-            ctx.mark_non_differentiable(placeholder, scale, tpe)
-            return data, weights, placeholder, scale, tpe, layout
-        # gradient carrier of the FP8 rows: no memory, never read
-        anchor = x.new_empty(()).expand(layout["num_rows"], layout["hidden"])
-        ctx.mark_non_differentiable(data, scale, tpe)
-        return anchor, weights, data, scale, tpe, layout
-
-    @staticmethod
-    def backward(ctx, grad_rows, grad_weights, *_):
-        h = DispatchHandle(**ctx.layout)
-        d = h.dispatcher
-        # the rows' width must be the same on every rank, whichever ranks' router weights need a
-        # gradient: with peers, always with the weights' column
-        want_w = not d.local or (ctx.needs_input_grad[1] and grad_weights is not None)
-        if grad_rows is None:
-            grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=h.dtype, device=h.send_pos.device)
-        if want_w and grad_weights is None:
-            grad_weights = torch.zeros(h.num_rows, dtype=torch.float32, device=h.send_pos.device)
-        extra = grad_weights.float().contiguous() if want_w else None
-        quant = d.fp8_dispatch_backward
-        buf = ops.combine_pack(grad_rows.to(h.dtype).contiguous(), h.slot_pos, None, extra, quant)
-        back = d._exchange(buf, h.recv_splits, h.send_splits)
-        gx, gw = ops.combine_unpack(back, h.send_pos, h.hidden, h.dtype, quant, h.topk_idx.shape[1] if want_w else 0)
-        return gx, (gw if want_w and ctx.needs_input_grad[1] else None), None, None
-
-
-def _combine_rows(expert_out, weights, handle):
-    """Combine's forward: pack (weighted unless weights is None), exchange, sum per token."""
-    d = handle.dispatcher
-    buf = ops.combine_pack(expert_out.contiguous(), handle.slot_pos, None if weights is None else _detached(weights),
-                           None, d.fp8_combine)
-    back = d._exchange(buf, handle.recv_splits, handle.send_splits)
-    return ops.combine_unpack(back, handle.send_pos, handle.hidden, handle.dtype, d.fp8_combine, 0)[0]
-
-
-class _CombineFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, expert_out, weights, handle):
-        y = _combine_rows(expert_out, weights, handle)
-        ctx.handle = handle
-        ctx.save_for_backward(expert_out if weights is not None else None, weights)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        h = ctx.handle
-        d = h.dispatcher
-        expert_out, weights = ctx.saved_tensors
-        # Combine backward moves dy to the experts: a dispatch over the cached layout (FP8 unless
-        # the forward dispatch went unquantized), no counts exchange, no host sync.
-        wire = Granularity.RAW if h.wire == Granularity.RAW else Granularity.ROW
-        send, _, _ = d._pack(grad_y, h, wire)
-        recv = d._exchange(send, h.send_splits, h.recv_splits)
-        # raw: data is dy's rows in h.dtype
-        data, scale, _, _, _, _ = d._unpack(recv, h, wire, h.recv_counts, h.hidden, h.dtype, h.num_rows)
-        raw = wire == Granularity.RAW
-        if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
-            return (data if raw else ops.dequantize(data, scale, h.dtype)), None, None
-        w = weights.detach()
-        gf = data.float() if raw else None
-        # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
-        grad_out = (gf * w.unsqueeze(1)).to(h.dtype) if raw else ops.dequantize(data, scale * w, h.dtype)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            gf = gf if raw else ops.dequantize(data, scale, torch.float32)
-            grad_w = (gf * expert_out.float()).sum(1)
-        return grad_out, grad_w, None

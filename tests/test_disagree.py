@@ -128,6 +128,32 @@ def test_router_weights_requiring_grad_on_one_rank_only(wire):
     assert run_ranks(2, fn, timeout=TIMEOUT) == [True, False]
 
 
+@pytest.mark.parametrize("wire", ["fp8", "raw", "capacity"])
+@pytest.mark.parametrize("which", ["x", "topk_weights"])
+def test_grad_required_on_one_rank_only_raises_on_every_rank(which, wire):
+    """Rank 0's x (or router weights) requires grad, rank 1's nothing: rank 0's backward would wait
+    in an exchange rank 1 never enters. The counts header carries each rank's flag, so both raise
+    in the forward, naming it, and the same Dispatcher then works."""
+    made = {}
+
+    def dispatcher(rank, world):
+        if "d" not in made:
+            opts = dict(capacity_factor=2.0) if wire == "capacity" else {}
+            made["d"] = fp8a2a.Dispatcher(E, bf16_below_bytes=1 << 30 if wire == "raw" else 0, **opts)
+        return made["d"]
+
+    def bad(rank, world):
+        xs, idxs, ws = make_inputs(world, T, H, E, K, torch.float32, seed=5)
+        x, w = xs[rank], ws[rank]
+        if rank == 0:
+            x, w = (x.requires_grad_(), w) if which == "x" else (x, w.requires_grad_())
+        out = dispatcher(rank, world).dispatch(x, idxs[rank], w)
+        dispatcher(rank, world).combine(out.dequantized(torch.float32), out.handle).sum()
+
+    msgs = _raises_then_recovers(bad, dispatcher)
+    assert all("requires grad on some ranks only: [True, False]" in m for m in msgs), msgs
+
+
 @pytest.mark.parametrize("how", ["dual_input", "torch_func_jvp"])
 def test_forward_ad_on_one_rank_raises_on_every_rank(how):
     """Rank 1 dispatches a dual tensor, or calls dispatch inside torch.func.jvp with inputs that

@@ -361,3 +361,39 @@ def test_torchrun_suite_on_gloo():
                          timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count(f"{len(CASES)} passed") == 2, run.stdout[-3000:]  # every scenario, on both ranks
+
+
+@pytest.mark.parametrize("wire", ["fp8", "raw"])
+def test_combine_applies_weights_before_converting(wire):
+    """fp16 x, float32 expert rows of 1e5 and weights 0.25 on two local experts: the exact 50000
+    fits in fp16, the 1e5 of each row does not. combine weights and sums in float32 and converts
+    last, so y is 50000, never Inf."""
+    d = fp8a2a.Dispatcher(4, bf16_below_bytes=0 if wire == "fp8" else 1 << 30)
+    t, h = 4, 256
+    x = torch.ones(t, h, dtype=torch.float16)
+    idx = torch.tensor([[0, 1]] * t)
+    out = d.dispatch(x, idx, torch.full((t, 2), 0.25))
+    y = d.combine(torch.full((out.handle.num_rows, h), 1e5), out.handle)
+    assert y.dtype == torch.float16
+    assert torch.equal(y, torch.full((t, h), 50000.0, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_given_tensor_scale_makes_a_non_finite_row_nan(bad):
+    """With a caller-given tensor scale there is no amax to poison: a row holding Inf or NaN must
+    dequantize to NaN in every column (never 448 * scale, never a finite rest of the row), and the
+    other rows stay as they were."""
+    scale = torch.tensor(4.0 / 448)
+    d = fp8a2a.Dispatcher(4, granularity="tensor", tensor_scale=scale, bf16_below_bytes=0)
+    x = torch.rand(6, 128) * 3
+    x_bad = x.clone()
+    x_bad[2, 5] = bad
+    idx = torch.arange(6).remainder(4).unsqueeze(1)
+    w = torch.ones(6, 1)
+    got, ref = (d.dispatch(v, idx, w) for v in (x_bad, x))
+    rows_got, rows_ref = got.dequantized(torch.float32), ref.dequantized(torch.float32)
+    poisoned = torch.isnan(rows_got).all(1)
+    assert poisoned.sum() == 1  # token 2 is one row here (top-1)
+    assert torch.equal(rows_got[~poisoned], rows_ref[~poisoned])
+    y = d.combine(rows_got, got.handle)
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4, 5]]).all()

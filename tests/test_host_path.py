@@ -1,7 +1,8 @@
 """The host-side shortcuts of dispatcher.py, at world size 1 without a process group: dispatch and
 combine skip their autograd Functions when nothing needs a gradient (but not under forward AD),
-_agree_on_wire accepts equal valid headers without its full checks, and _new_handle builds the
-DispatchHandle without its __init__. Each must give what the path it shortcuts gives."""
+exchange.agree_on_wire accepts equal valid headers without its full checks, and
+Layout.with_weights copies the handle without its __init__. Each must give what the path it
+shortcuts gives."""
 import contextlib
 import dataclasses
 
@@ -10,37 +11,12 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import fp8a2a
-from fp8a2a import dispatcher
+from fp8a2a import dispatcher, exchange
 from fp8a2a.wire import REJECTED, CountsCol, Granularity
 
 from .test_dispatch import make_inputs
 
 MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
-_FIELDS = [f.name for f in dataclasses.fields(dispatcher.DispatchHandle)]
-
-
-def _checked_new_handle(values):
-    """_new_handle, failing loudly where it differs from DispatchHandle(**values): a key that is no
-    field or a required field missing (TypeError from __init__), a field set differently."""
-    handle = _fast_new_handle(values)
-    slow = dispatcher.DispatchHandle(**values)
-    assert sorted(vars(handle)) == sorted(_FIELDS)
-    for name in _FIELDS:
-        fast_value, slow_value = getattr(handle, name), getattr(slow, name)
-        # identical objects, or equal fresh ones from a default factory (empty lists)
-        assert fast_value is slow_value or (type(fast_value) is list and fast_value == slow_value), name
-    return handle
-
-
-_fast_new_handle = dispatcher._new_handle
-
-
-@pytest.fixture(autouse=True)
-def handle_built_as_init_would(monkeypatch):
-    """Every dispatch in this file checks its fast-built handle against DispatchHandle(**layout)."""
-    monkeypatch.setattr(dispatcher, "_new_handle", _checked_new_handle)
-
-
 def _dispatcher(wire, layout, **kw):
     return fp8a2a.Dispatcher(8, bf16_below_bytes=(1 << 40) if wire == "raw" else 0,
                              capacity_factor=1.0 if layout == "capacity" else None, **kw)
@@ -158,10 +134,11 @@ def test_forward_ad_is_not_bypassed(dual, mode, wire):
     assert not dispatcher._forward_ad_active()
 
 
-def _header(hidden=64, topk=2, bad=0, wire=Granularity.ROW, dtype=3, rows=5, experts=(3, 2)):
+def _header(hidden=64, topk=2, bad=0, wire=Granularity.ROW, dtype=3, grad=0, rows=5, experts=(3, 2)):
     row = [0] * CountsCol.EXPERTS
     row[CountsCol.HIDDEN], row[CountsCol.TOPK], row[CountsCol.BAD_IDS] = hidden, topk, bad
     row[CountsCol.WIRE], row[CountsCol.DTYPE], row[CountsCol.ROWS] = int(wire), dtype, rows
+    row[CountsCol.GRAD] = grad
     return row + list(experts)
 
 
@@ -176,6 +153,9 @@ _HEADER_ERRORS = {
     "topk": ([_header(), _header(topk=4)], ValueError, "fp8a2a: ranks use different top-k: [2, 4]"),
     "dtype": ([_header(), _header(dtype=1)], ValueError,
               "fp8a2a: ranks dispatch x of different dtypes: ['bfloat16', 'float32']"),
+    "grad": ([_header(grad=1), _header()], ValueError,
+             "fp8a2a: x (or topk_weights) requires grad on some ranks only: [True, False] (every rank must run "
+             "the dispatch's backward, or none)"),
     "hidden": ([_header(), _header(hidden=128)], ValueError,
                "fp8a2a: ranks use different hidden sizes: [64, 128] (this rank: 64)"),
     "hidden_equal_not_mine": ([_header(hidden=128)] * 2, ValueError,
@@ -191,10 +171,10 @@ def test_agree_on_wire_still_raises(case, raise_on_bad_ids):
     headers, error, message = _HEADER_ERRORS[case]
     d = fp8a2a.Dispatcher(8)
     if case == "bad_ids_equal" and not raise_on_bad_ids:  # capacity mode counts them instead
-        assert d._agree_on_wire(headers, 64, 2, raise_on_bad_ids=False) == Granularity.ROW
+        assert exchange.agree_on_wire(d.spec, headers, 64, 2, raise_on_bad_ids=False) == Granularity.ROW
         return
     with pytest.raises(error) as info:
-        d._agree_on_wire(headers, 64, 2, raise_on_bad_ids=raise_on_bad_ids)
+        exchange.agree_on_wire(d.spec, headers, 64, 2, raise_on_bad_ids=raise_on_bad_ids)
     assert str(info.value) == message
 
 
@@ -204,38 +184,31 @@ def test_agree_on_wire_formats(granularity):
     code = d.code
     raw = _header(hidden=128, wire=Granularity.RAW)  # a raw header's hidden counts bytes (bf16: 2 each)
     fp8 = _header(hidden=64, wire=code)
-    assert d._agree_on_wire([raw, raw], 64, 2) == Granularity.RAW
-    assert d._agree_on_wire([fp8, fp8], 64, 2) == code
-    assert d._agree_on_wire([raw, fp8], 64, 2) == code  # one rank over the size threshold: FP8 for all
-    assert d._agree_on_wire([fp8, raw], 64, 2) == code
+    assert exchange.agree_on_wire(d.spec, [raw, raw], 64, 2) == Granularity.RAW
+    assert exchange.agree_on_wire(d.spec, [fp8, fp8], 64, 2) == code
+    assert exchange.agree_on_wire(d.spec, [raw, fp8], 64, 2) == code  # one rank over the size threshold: FP8 for all
+    assert exchange.agree_on_wire(d.spec, [fp8, raw], 64, 2) == code
     # only the counts differ (rows, per-expert): the shortcut's case
-    assert d._agree_on_wire([fp8, _header(wire=code, rows=9, experts=(0, 9))], 64, 2) == code
-    assert d._agree_on_wire([raw], 64, 2) == Granularity.RAW  # world size 1
+    assert exchange.agree_on_wire(d.spec, [fp8, _header(wire=code, rows=9, experts=(0, 9))], 64, 2) == code
+    assert exchange.agree_on_wire(d.spec, [raw], 64, 2) == Granularity.RAW  # world size 1
 
 
 @pytest.mark.parametrize("case", ["compact_raw", "compact_row", "capacity", "tensor"])
-def test_new_handle_equals_init(case):
-    """The handle of a dispatch, built without __init__, equals DispatchHandle(**layout) field by
-    field (checked by the fixture on every dispatch of this file), and that check fails loudly on
-    a key that is no field or a required field missing."""
-    seen = []
-
-    def recording(values):
-        seen.append(dict(values))
-        return _checked_new_handle(values)
-
+def test_handle_with_weights_equals_replace(case):
+    """The handle users get (Layout.with_weights, a shallow copy) equals dataclasses.replace of the
+    layout the backward keeps, field by field, and leaves that layout without weights."""
     d = {"compact_raw": lambda: _dispatcher("raw", "compact"), "compact_row": lambda: _dispatcher("row", "compact"),
          "capacity": lambda: _dispatcher("row", "capacity"),
          "tensor": lambda: fp8a2a.Dispatcher(8, granularity="tensor", bf16_below_bytes=0)}[case]()
     x, idx, w, _ = _inputs()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dispatcher, "_new_handle", recording)
-        for x_grad in (False, True):  # the bypass and the Function
-            out = d.dispatch(x.clone().requires_grad_(x_grad), idx, w)
-            assert isinstance(out.handle, dispatcher.DispatchHandle)
-    assert len(seen) == 2
-    values = seen[0]
-    with pytest.raises(TypeError):
-        _checked_new_handle(dict(values, not_a_field=1))
-    with pytest.raises(TypeError):
-        _checked_new_handle({k: v for k, v in values.items() if k != "topk_idx"})
+    for x_grad in (False, True):  # the bypass and the Function
+        out = d.dispatch(x.clone().requires_grad_(x_grad), idx, w)
+        handle = out.handle
+        assert isinstance(handle, dispatcher.DispatchHandle) and handle.weights is out.weights
+        bare = handle.with_weights(None)
+        slow = dataclasses.replace(bare, weights=out.weights)
+        assert bare.weights is None and handle.weights is out.weights
+        for f in dataclasses.fields(exchange.Layout):
+            fast_value, slow_value = getattr(handle, f.name), getattr(slow, f.name)
+            assert fast_value is slow_value, f.name
+        assert handle.tokens_per_expert_list == slow.tokens_per_expert_list

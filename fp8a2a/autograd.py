@@ -1,0 +1,106 @@
+"""Dispatch and combine as autograd Functions over the exchange engine (fp8a2a.exchange).
+
+`dispatch_rows` and `combine_rows` pick the path: the Function when something needs a gradient,
+else the engine alone (the Function's bookkeeping is a host cost on every call).
+"""
+import torch
+
+from . import exchange, ops
+from .exchange import ExchangeSpec, Layout, Route
+from .wire import Granularity
+
+
+def differentiable(*tensors) -> bool:
+    """Whether a call must go through its autograd Function: grad mode and an input (None: absent)
+    that requires grad. Dual inputs, which do not require grad, never get here: the Dispatcher's
+    input checks reject them first, so no tangent is dropped by the bypass."""
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    return False
+
+
+def dispatch_rows(spec: ExchangeSpec, x, topk_weights, route: Route, fail_peers=None):
+    """(data, scale, weights, tokens per expert, the handle: a Layout with the weights, anchor).
+    Raw rows are data itself; FP8 rows' gradient reaches x through `anchor`, a zero-memory carrier
+    (None when nothing needs a gradient)."""
+    # The Function runs its forward without grad mode: so must every input (the tensor scale
+    # included) outside it, or an output could carry a history the Function's would not.
+    if not differentiable(x, topk_weights, spec.tensor_scale):
+        data, scale_rows, weights, tpe, layout = exchange.dispatch(spec, x, route, False, fail_peers)
+        return data, scale_rows, weights, tpe, layout.with_weights(weights), None
+    rows, weights, data, scale_rows, tpe, layout = _DispatchFn.apply(x, topk_weights, spec, route, fail_peers)
+    if layout.wire == Granularity.RAW:
+        return rows, scale_rows, weights, tpe, layout.with_weights(weights), None
+    return data, scale_rows, weights, tpe, layout.with_weights(weights), rows if rows.requires_grad else None
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, spec, route, fail_peers):
+        # the header says whether this rank's backward will exchange: only x's and the weights'
+        # gradients travel (a tensor scale's reaches it through the dequantized rows)
+        needs_grad = x.requires_grad or topk_weights.requires_grad
+        data, scale, weights, tpe, layout = exchange.dispatch(spec, x, route, needs_grad, fail_peers)
+        ctx.layout = layout  # without the weights: they would close a reference cycle through ctx
+        if layout.wire == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
+            placeholder = data.new_empty(0)
+            ctx.mark_non_differentiable(placeholder, scale, tpe)
+            return data, weights, placeholder, scale, tpe, layout
+        # gradient carrier of the FP8 rows: no memory, never read
+        anchor = x.new_empty(()).expand(layout.num_rows, layout.hidden)
+        ctx.mark_non_differentiable(data, scale, tpe)
+        return anchor, weights, data, scale, tpe, layout
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights, *_):
+        h: Layout = ctx.layout
+        spec = h.spec
+        # the rows' width must be the same on every rank, whichever ranks' router weights need a
+        # gradient: with peers, always with the weights' column
+        want_w = not spec.local or (ctx.needs_input_grad[1] and grad_weights is not None)
+        device = h.send_pos.device
+        if grad_rows is None:
+            grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=h.dtype, device=device)
+        if want_w and grad_weights is None:
+            grad_weights = torch.zeros(h.num_rows, dtype=torch.float32, device=device)
+        extra = grad_weights.float().contiguous() if want_w else None
+        gx, gw = exchange.combine(grad_rows, None, h, spec.fp8_dispatch_backward, extra)
+        return gx, (gw if want_w and ctx.needs_input_grad[1] else None), None, None, None
+
+
+def combine_rows(expert_out, weights, layout: Layout):
+    """y [T, H] in the dispatch's dtype: the Function when expert_out or weights need a gradient."""
+    if differentiable(expert_out, weights):
+        return _CombineFn.apply(expert_out, weights, layout)
+    return exchange.combine(expert_out, weights, layout, layout.spec.fp8_combine)[0]
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, layout):
+        y = exchange.combine(expert_out, weights, layout, layout.spec.fp8_combine)[0]
+        ctx.layout = layout
+        ctx.out_dtype = expert_out.dtype
+        ctx.save_for_backward(expert_out if weights is not None else None, weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        h: Layout = ctx.layout
+        expert_out, weights = ctx.saved_tensors
+        data, scale, wire = exchange.redispatch(grad_y, h)
+        raw = wire == Granularity.RAW
+        dtype = ctx.out_dtype
+        if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
+            return (data.to(dtype) if raw else ops.dequantize(data, scale, dtype)), None, None
+        w = weights.detach()
+        gf = data.float() if raw else None
+        # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
+        grad_out = (gf * w.unsqueeze(1)).to(dtype) if raw else ops.dequantize(data, scale * w, dtype)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            gf = gf if raw else ops.dequantize(data, scale, torch.float32)
+            grad_w = (gf * expert_out.float()).sum(1)
+        return grad_out, grad_w, None
