@@ -37,6 +37,7 @@ from fp8a2a.bench import costs  # noqa: E402
 from fp8a2a.bench.report import percentile  # noqa: E402
 from fp8a2a.reference import dequantize_reference, quantize_reference  # noqa: E402
 from fp8a2a.weight_cache import fp8_weight, invalidate_fp8_weight_cache  # noqa: E402
+from fp8a2a.wire import CountsCol  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 TARGET_PACK_FRAC = 0.9
@@ -109,12 +110,12 @@ class Case:
         row = ops.GRANULARITY["row"]
         self.row_bytes = ops.dispatch_row_bytes(H, row, K)
         self.send, self.counts, self.send_pos = ops.dispatch_pack(self.x, self.idx, self.w, E, R, row, None)
-        self.S = int(self.counts[:, ops.ROWS].sum())
+        self.S = int(self.counts[:, CountsCol.ROWS].sum())
         # Received: as if every rank sent what this one sends (same statistics), source r's chunk
         # carrying local expert ids of "this" rank.
         self.recv = self.send[: self.S]
         self.recv_counts = self.counts
-        self.N = int(self.counts[:, ops.COUNTS_HEADER:].sum())
+        self.N = int(self.counts[:, CountsCol.EXPERTS:].sum())
         (self.data, self.scale, self.weights, self.tpe, self.slot_pos, self.row_src) = ops.dispatch_unpack(
             self.recv, self.recv_counts, H, row, K, self.N)
         self.expert_out = torch.randn(self.N, H, generator=g, device=device).to(torch.bfloat16)

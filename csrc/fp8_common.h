@@ -137,8 +137,12 @@ struct CombineRow {
 // local expert. Carrying hidden/topk/bad-id counts lets every rank detect a mismatch or bad
 // input after the exchange it needs anyway: all ranks raise together, none hangs.
 // kColWire is the granularity code the sender packed with (ranks agree on one before sending rows);
-// kColDtype its activation's ActDtype (ranks must dispatch one dtype: combine's rows carry it).
-enum CountsCol : int64_t { kColHidden = 0, kColTopk, kColBadIds, kColWire, kColDtype, kColRows, kColExperts };
+// kColDtype its activation's ActDtype (ranks must dispatch one dtype: combine's rows carry it);
+// kColGrad 1 if the sender's dispatch input requires grad (its backward will enter the dispatch
+// backward's exchange), else 0: every rank learns whether every peer will, at no extra collective.
+enum CountsCol : int64_t {
+  kColHidden = 0, kColTopk, kColBadIds, kColWire, kColDtype, kColGrad, kColRows, kColExperts
+};
 
 // The activation dtype in the counts header (kColDtype); kDtypeBytes: a uint8 view of unknown dtype.
 enum ActDtype : int64_t { kDtypeBytes = 0, kDtypeFloat32 = 1, kDtypeFloat16 = 2, kDtypeBFloat16 = 3 };

@@ -32,9 +32,11 @@ TORCH_LIBRARY(fp8a2a, m) {
   //    rank_capacity > 0 (capacity mode): rows for rank r start at r * rank_capacity, [R * rank_capacity] rows.
   //    granularity 3 (raw): x's own bytes (x float, or already viewed as uint8). tensor_scale (tensor
   //    granularity): [s] (multiplier 1 / s) or [s, q] (q = 448 / amax by the scale rule).
+  //    needs_grad: written to every destination's counts[r, kColGrad] (1 or 0).
   m.def(
       "dispatch_pack(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
-      "int granularity, Tensor? tensor_scale, int rank_capacity=0) -> (Tensor send, Tensor counts, Tensor send_pos)");
+      "int granularity, Tensor? tensor_scale, int rank_capacity=0, bool needs_grad=False) "
+      "-> (Tensor send, Tensor counts, Tensor send_pos)");
   // -> expert-major data [N, H] e4m3, scale, weights [N], tokens_per_expert, slot_pos [Nr, K], row_src [N].
   //    Capacity mode: source r's rows are the first counts[r, rows] of segment r; expert e owns rows
   //    [e*R*C, (e+1)*R*C) (N = local experts * R * C), padding rows zero.

@@ -21,10 +21,12 @@ Tensor dequantize_cuda(const Tensor& data, const Tensor& scale, at::ScalarType d
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                     const std::optional<Tensor>& tensor_scale, int64_t rank_capacity);
+                                                     const std::optional<Tensor>& tensor_scale, int64_t rank_capacity,
+                                                     bool needs_grad);
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                                       int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity);
+                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity,
+                                                      bool needs_grad);
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(const Tensor& recv, const Tensor& recv_counts,
                                                                                int64_t hidden, int64_t granularity,

@@ -12,12 +12,11 @@ except ImportError as e:  # pragma: no cover - only without a build
         "fp8a2a: the C++ extension fp8a2a._C is not built. Run `pip install --no-build-isolation -e .` "
         f"in the repository (after installing torch). Original error: {e}") from e
 
-# Name -> code of the quantized granularities and the counts-header columns, kept for callers of
-# the earlier module constants; fp8a2a.wire holds the enums they derive from.
+# Name -> code of the quantized granularities, kept for callers of the earlier module constants;
+# fp8a2a.wire holds the enums they derive from (the counts header's columns: CountsCol, only there).
 GRANULARITY = {g.label: int(g) for g in QUANTIZED}
 RAW = int(Granularity.RAW)
 BLOCK = 128
-HIDDEN, TOPK, BAD_IDS, WIRE, DTYPE, ROWS, COUNTS_HEADER = (int(c) for c in CountsCol)
 FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
 
@@ -68,7 +67,8 @@ def _(data, scale, dtype):
 
 
 @torch.library.register_fake("fp8a2a::dispatch_pack")
-def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale, rank_capacity=0):
+def _(x, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale, rank_capacity=0,
+      needs_grad=False):
     _same_device("dispatch_pack", x, ("topk_idx", topk_idx), ("topk_weights", topk_weights),
                  ("tensor_scale", tensor_scale))
     t, k = topk_idx.shape

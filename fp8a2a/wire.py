@@ -40,8 +40,9 @@ class CountsCol(IntEnum):
     BAD_IDS = 2  # expert ids out of range on the sender; REJECTED: the sender rejected its input
     WIRE = 3  # the Granularity the sender packed with
     DTYPE = 4  # the sender's activation dtype (ACT_DTYPES: its code)
-    ROWS = 5  # rows sent to this destination
-    EXPERTS = 6
+    GRAD = 5  # 1 if the sender's dispatch input requires grad (it will enter dispatch's backward), else 0
+    ROWS = 6  # rows sent to this destination
+    EXPERTS = 7
 
 
 # csrc/fp8_common.h's enum ActDtype: the DTYPE column's codes (0: a uint8 view of unknown dtype)

@@ -17,6 +17,7 @@ import torch
 
 from fp8a2a import ops
 from fp8a2a.bench import baseline, costs, model as bench_model, report, sweep
+from fp8a2a.wire import CountsCol
 from fp8a2a.dispatcher import DEFAULT_BF16_BELOW_BYTES
 
 from .distributed import run_ranks
@@ -194,7 +195,7 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path):
             idx = baseline.make_routing(T, E, K, "cpu", sweep.point_seed(0, rank, T) + 1)[0]
             dest = torch.zeros(T, world, dtype=torch.bool).scatter_(1, idx // (E // world), True)
             rows.append(int(dest.sum()))
-        counts = world * (ops.COUNTS_HEADER + E // world) * 8
+        counts = world * (CountsCol.EXPERTS + E // world) * 8
         assert r["fp8a2a_fp8_wire_bytes"] == pytest.approx(
             sum(rows) / world * ops.dispatch_row_bytes(H, code, K) + counts)
         assert r["fp8a2a_bf16_wire_bytes"] == pytest.approx(

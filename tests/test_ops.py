@@ -6,6 +6,7 @@ import torch
 import fp8a2a
 from fp8a2a import ops
 from fp8a2a.reference import dequantize_reference, drop_to_capacity_reference, quantize_reference, route_reference
+from fp8a2a.wire import CountsCol
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -163,8 +164,8 @@ def routing(t, k, e, seed=0, bad=False):
 
 
 def unpack_all(send, counts, hidden, gran, k):
-    rows = counts[:, ops.ROWS].sum().item()
-    n = counts[:, ops.COUNTS_HEADER:].sum().item()
+    rows = counts[:, CountsCol.ROWS].sum().item()
+    n = counts[:, CountsCol.EXPERTS:].sum().item()
     return ops.dispatch_unpack(send[:rows], counts, hidden, gran, k, n)
 
 
@@ -177,13 +178,13 @@ def test_pack_layout_semantics(k, ranks):
     send, counts, send_pos = ops.dispatch_pack(x, idx, w, e, ranks, 0, None)
     per_rank = e // ranks
     expected = route_reference(idx, e, ranks)
-    assert counts[:, ops.ROWS].tolist() == [len(expected[r]) for r in range(ranks)]
-    assert counts[:, ops.HIDDEN].tolist() == [h] * ranks and counts[:, ops.BAD_IDS].sum() == 0
+    assert counts[:, CountsCol.ROWS].tolist() == [len(expected[r]) for r in range(ranks)]
+    assert counts[:, CountsCol.HIDDEN].tolist() == [h] * ranks and counts[:, CountsCol.BAD_IDS].sum() == 0
     per_expert = torch.zeros(e, dtype=torch.long)
     for v in idx.flatten().tolist():
         if v >= 0:
             per_expert[v] += 1
-    assert torch.equal(counts[:, ops.COUNTS_HEADER:].flatten(), per_expert)
+    assert torch.equal(counts[:, CountsCol.EXPERTS:].flatten(), per_expert)
     data_ref, scale_ref = quantize_reference(x)
     layout = ops_layout(h, 0, k)
     offset = 0
@@ -235,19 +236,38 @@ def test_unpack_roundtrip_is_expert_major_quantization(gran, k):
 def test_a_token_on_two_local_experts_appears_under_both():
     x = torch.randn(1, 32)
     send, counts, _ = ops.dispatch_pack(x, torch.tensor([[6, 5]]), torch.tensor([[0.25, 0.75]]), 8, 2, 0, None)
-    assert counts[:, ops.ROWS].tolist() == [0, 1]  # both experts on rank 1: one row on the wire
+    assert counts[:, CountsCol.ROWS].tolist() == [0, 1]  # both experts on rank 1: one row on the wire
     # rank 1 receives that one row (from a single source here) and expands it to local experts 1 and 2
     data, _, wts, tpe, slot_pos, _ = ops.dispatch_unpack(send[:1], counts[1:2], 32, 0, 2, 2)
     assert tpe.tolist() == [0, 1, 1, 0] and wts.tolist() == [0.75, 0.25] and slot_pos.tolist() == [[1, 0]]
     assert torch.equal(u8(data[0]), u8(data[1]))
 
 
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_pack_header_says_whether_the_input_needs_grad(needs_grad):
+    """Every destination's header carries the sender's needs_grad (1 or 0) in its own column, for
+    every wire and in capacity mode; the columns around it keep their values."""
+    t, h, e, ranks = 6, 128, 8, 4
+    x, (idx, w) = torch.randn(t, h, dtype=torch.bfloat16), routing(t, 2, e)
+    _, base, _ = ops.dispatch_pack(x, idx, w, e, ranks, 0, None)
+    assert base[:, CountsCol.GRAD].tolist() == [0] * ranks  # the default: no gradient
+    for gran, cap in ((0, 0), (1, 0), (2, 0), (ops.RAW, 0), (0, t)):
+        scale = torch.tensor(0.5) if gran == 2 else None
+        _, counts, _ = ops.dispatch_pack(x, idx, w, e, ranks, gran, scale, cap, needs_grad)
+        assert counts[:, CountsCol.GRAD].tolist() == [int(needs_grad)] * ranks, (gran, cap)
+        assert counts[:, CountsCol.DTYPE].tolist() == [3] * ranks  # bfloat16's code, beside it
+        assert torch.equal(counts[:, CountsCol.ROWS], base[:, CountsCol.ROWS])
+        assert torch.equal(counts[:, CountsCol.EXPERTS:], base[:, CountsCol.EXPERTS:])
+    _, counts, _ = ops.dispatch_pack(x, idx, w, e, ranks, 0, None, needs_grad=needs_grad)  # by keyword
+    assert counts[:, CountsCol.GRAD].tolist() == [int(needs_grad)] * ranks
+
+
 def test_bad_ids_are_counted_not_routed():
     idx, w = routing(10, 2, 8, bad=True)
     idx[4, 1] = -7
     _, counts, send_pos = ops.dispatch_pack(torch.randn(10, 16), idx, w, 8, 2, 0, None)
-    assert counts[:, ops.BAD_IDS].tolist() == [2, 2]
-    assert counts[:, ops.COUNTS_HEADER:].sum() == (idx >= 0).logical_and(idx < 8).sum()
+    assert counts[:, CountsCol.BAD_IDS].tolist() == [2, 2]
+    assert counts[:, CountsCol.EXPERTS:].sum() == (idx >= 0).logical_and(idx < 8).sum()
 
 
 def test_pack_bad_inputs():
@@ -266,7 +286,7 @@ def test_pack_bad_inputs():
         ops.dispatch_pack(x, idx, w, 8, 2, 2, None)
     send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 1, 0, None)
     with pytest.raises(RuntimeError, match="rows but"):
-        ops.dispatch_unpack(send[:1], counts, 16, 0, 2, int(counts[:, ops.COUNTS_HEADER:].sum()))
+        ops.dispatch_unpack(send[:1], counts, 16, 0, 2, int(counts[:, CountsCol.EXPERTS:].sum()))
 
 
 def test_unpack_rejects_counts_out_of_range():
@@ -274,28 +294,28 @@ def test_unpack_rejects_counts_out_of_range():
     x, (idx, w) = torch.randn(4, 16), routing(4, 2, 8)
     send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, 0, None, 8)
     over = counts.clone()
-    over[1, ops.ROWS] = 9  # past rank 1's segment, which ends the buffer
+    over[1, CountsCol.ROWS] = 9  # past rank 1's segment, which ends the buffer
     with pytest.raises(RuntimeError, match="over rank_capacity"):
         ops.dispatch_unpack(send, over, 16, 0, 2, 4 * 2 * 8, 8, 8)
     send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, 0, None)
-    rows = int(counts[:, ops.ROWS].sum())
+    rows = int(counts[:, CountsCol.ROWS].sum())
     negative = counts.clone()
-    negative[:, ops.ROWS] = torch.tensor([rows + 1, -1])  # rank 0 past the buffer; the total still fits
+    negative[:, CountsCol.ROWS] = torch.tensor([rows + 1, -1])  # rank 0 past the buffer; the total still fits
     with pytest.raises(RuntimeError, match=r"rows but \d+ were received \(from rank 0 alone\)"):
-        ops.dispatch_unpack(send[:rows], negative, 16, 0, 2, int(counts[:, ops.COUNTS_HEADER:].sum()))
-    negative[:, ops.ROWS] = torch.tensor([-1, rows + 1])
-    with pytest.raises(RuntimeError, match=r"recv_counts\[0, 5\] = -1 is out of range"):
-        ops.dispatch_unpack(send[:rows], negative, 16, 0, 2, int(counts[:, ops.COUNTS_HEADER:].sum()))
+        ops.dispatch_unpack(send[:rows], negative, 16, 0, 2, int(counts[:, CountsCol.EXPERTS:].sum()))
+    negative[:, CountsCol.ROWS] = torch.tensor([-1, rows + 1])
+    with pytest.raises(RuntimeError, match=rf"recv_counts\[0, {int(CountsCol.ROWS)}\] = -1 is out of range"):
+        ops.dispatch_unpack(send[:rows], negative, 16, 0, 2, int(counts[:, CountsCol.EXPERTS:].sum()))
     huge = counts.clone()  # expert counts whose sum wraps around to the right total
-    num_rows = int(counts[:, ops.COUNTS_HEADER:].sum())
-    huge[0, ops.COUNTS_HEADER], huge[1, ops.COUNTS_HEADER] = 2**62, -(2**62) + int(huge[1, ops.COUNTS_HEADER])
+    num_rows = int(counts[:, CountsCol.EXPERTS:].sum())
+    huge[0, CountsCol.EXPERTS], huge[1, CountsCol.EXPERTS] = 2**62, -(2**62) + int(huge[1, CountsCol.EXPERTS])
     with pytest.raises(RuntimeError, match=r"expert rows but num_rows is \d+ \(from rank 0 alone\)"):
         ops.dispatch_unpack(send[:rows], huge, 16, 0, 2, num_rows)
 
 
 def test_empty_batch():
     send, counts, send_pos = ops.dispatch_pack(torch.randn(0, 64), *routing(0, 4, 8), 8, 2, 0, None)
-    assert send.shape[0] == 0 and counts[:, ops.ROWS].sum() == 0 and send_pos.shape == (0, 2)
+    assert send.shape[0] == 0 and counts[:, CountsCol.ROWS].sum() == 0 and send_pos.shape == (0, 2)
     data, _, _, tpe, slot_pos, _ = unpack_all(send, counts, 64, 0, 4)
     assert data.shape == (0, 64) and tpe.tolist() == [0] * 4
     y, extra = ops.combine_unpack(torch.zeros(0, 128, dtype=torch.uint8), send_pos, 64, torch.bfloat16, False, 0)
@@ -368,21 +388,22 @@ def test_ops_trace_under_torch_compile():
     idx, w = routing(t, k, e)
 
     def step(x, idx, w):
-        send, counts, send_pos = ops.dispatch_pack(x, idx, w, e, 1, 0, None)
+        send, counts, send_pos = ops.dispatch_pack(x, idx, w, e, 1, 0, None, 0, True)
         data, sc, wts, _, slot_pos, _ = ops.dispatch_unpack(send, counts, h, 0, k, t * k)
         buf = ops.combine_pack(ops.dequantize(data, sc, torch.float32), slot_pos, wts, None, False)
-        return ops.combine_unpack(buf, send_pos, h, torch.float32, False, 0)[0]
+        return ops.combine_unpack(buf, send_pos, h, torch.float32, False, 0)[0], counts
 
     idx = torch.randint(0, e, (t, k))  # no -1, so every slot is routed and N = t * k is static
     eager = step(x, idx, w)
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x, idx, w)
-    assert torch.equal(eager, compiled)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    assert compiled[1][:, CountsCol.GRAD].tolist() == [1]
 
 
 
 def test_raw_pack_takes_an_empty_expanded_activation():
     # the gradient of y.sum() on a rank without tokens: contiguous by torch's rule, zero strides
-    from fp8a2a.wire import CountsCol, Granularity
+    from fp8a2a.wire import Granularity
     x = torch.ones((), dtype=torch.bfloat16).expand(0, 64)
     idx, w = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
     send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, int(Granularity.RAW), None, 0)

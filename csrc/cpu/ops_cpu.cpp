@@ -113,7 +113,8 @@ Tensor dequantize_cpu(const Tensor& data, const Tensor& scale, at::ScalarType dt
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
                                                      int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                     const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
+                                                     const std::optional<Tensor>& tensor_scale, int64_t rank_capacity,
+                                                     bool needs_grad) {
   const int64_t dtype = act_dtype_code(x_in);
   const Tensor x = check_dispatch_pack(x_in, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale,
                                        rank_capacity);
@@ -150,6 +151,7 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cpu(const Tensor& x_in, const T
     row[kColBadIds] = bad;
     row[kColWire] = granularity;
     row[kColDtype] = dtype;
+    row[kColGrad] = needs_grad ? 1 : 0;
     // Capacity mode: fixed segments of rank_capacity rows (static all_to_all splits).
     TORCH_CHECK(rank_capacity == 0 || row[kColRows] <= rank_capacity, "fp8a2a: ", row[kColRows],
                 " rows for rank ", r, " exceed its capacity of ", rank_capacity, " (drop to capacity first)");

@@ -50,12 +50,21 @@ struct DispatchShape {
   int* rank_off;    // [R]: first send row of each rank
   int64_t* counts;  // [R, kColExperts + El]
   int dtype;        // the activation's ActDtype (kColDtype); last: the fields above keep their offsets
+  int grad;         // 1 if the sender's input requires grad (kColGrad), else 0
 };
 
 // counts[r, c] of a header column c < kColRows (the same for every destination rank r)
 __device__ __forceinline__ int64_t count_header(int c, int64_t H, int64_t K, int64_t bad_ids, int64_t gran,
-                                                int64_t dtype) {
-  return c == kColHidden ? H : c == kColTopk ? K : c == kColBadIds ? bad_ids : c == kColWire ? gran : dtype;
+                                                int64_t dtype, int64_t grad) {
+  switch (c) {
+    case kColHidden: return H;
+    case kColTopk: return K;
+    case kColBadIds: return bad_ids;
+    case kColWire: return gran;
+    case kColDtype: return dtype;
+    case kColGrad: return grad;
+    default: return 0;
+  }
 }
 
 // ---- layout host side (dispatch_layout.cu) ----

@@ -29,7 +29,7 @@ struct LayoutParams {
   int* chunk_off;   // [nchunks, cols]: exclusive prefix of the totals over chunks (scan kernel)
   int* rank_off;    // [R]: first send row of each rank
   int64_t* counts;  // [R, kColExperts + El]
-  int64_t dtype;    // the activation's ActDtype (kColDtype); last: the fields above keep their offsets
+  int dtype, grad;  // the header's kColDtype and kColGrad; last: the fields above keep their offsets
 };
 
 // counts[r, :] entries of column col of the layout (expert, rank rows, bad ids) from its total;
@@ -44,7 +44,7 @@ __device__ __forceinline__ void write_count_column(const LayoutParams& p, int co
   } else {
     for (int r = 0; r < p.R; ++r)
       for (int c = 0; c < kColRows; ++c)
-        p.counts[static_cast<int64_t>(r) * C + c] = count_header(c, p.H, p.K, total, p.gran, p.dtype);
+        p.counts[static_cast<int64_t>(r) * C + c] = count_header(c, p.H, p.K, total, p.gran, p.dtype, p.grad);
   }
 }
 
@@ -273,6 +273,7 @@ void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* s
   lp.H = shape.wire.hidden;
   lp.gran = shape.wire.gran;
   lp.dtype = shape.dtype;
+  lp.grad = shape.grad;
   lp.cap = shape.cap;
   lp.slot_rank = shape.slot_rank;
   lp.chunk_tot = scratch + shape.R + plan.nchunks * cols;

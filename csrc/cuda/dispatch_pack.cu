@@ -163,7 +163,7 @@ __device__ void self_routing(const PackParams& p, int64_t t, const RouteSmem& s,
     const int r = static_cast<int>(i / C), c = static_cast<int>(i - static_cast<int64_t>(r) * C);
     p.counts[i] = c == kColRows ? rows[r] : c >= kColExperts ? hist[r * El + (c - kColExperts)]
                                                              : count_header(c, p.wire.hidden, K, *bad, p.wire.gran,
-                                                                            p.dtype);
+                                                                            p.dtype, p.grad);
   }
 }
 
@@ -395,7 +395,8 @@ __global__ void __launch_bounds__(512) dispatch_pack_raw_kernel(PackParams p) {
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
                                                       int64_t num_experts, int64_t num_ranks, int64_t granularity,
-                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity) {
+                                                      const std::optional<Tensor>& tensor_scale, int64_t rank_capacity,
+                                                      bool needs_grad) {
   const int64_t dtype = act_dtype_code(x_in);
   const Tensor x = check_dispatch_pack(x_in, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale,
                                        rank_capacity);
@@ -430,7 +431,8 @@ std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x_in, const 
   shape.idx = topk_idx.data_ptr();
   shape.wire = DispatchWire(L, granularity);
   shape.cap = rank_capacity;
-  shape.dtype = dtype;
+  shape.dtype = static_cast<int>(dtype);
+  shape.grad = needs_grad ? 1 : 0;
   shape.K = static_cast<int>(K);
   shape.E = static_cast<int>(num_experts);
   shape.El = static_cast<int>(El);

@@ -12,8 +12,9 @@ import torch
 
 from fp8a2a import ops
 from fp8a2a.quant import scale_rule
+from fp8a2a.wire import CountsCol
 
-ROWS, HEADER = ops.ROWS, ops.COUNTS_HEADER
+ROWS, HEADER = CountsCol.ROWS, CountsCol.EXPERTS
 RAW = ops.RAW
 GRAN_NAMES = {0: "row", 1: "block128", 2: "tensor", 3: "raw"}
 DEVICE = torch.device("cuda")
@@ -209,19 +210,21 @@ def no_sync(fn, *args):
 # ---------------------------------------------------------------------------------------------
 # dispatch_pack / dispatch_unpack
 # ---------------------------------------------------------------------------------------------
-def _pack_both(x, idx, w, e, r, gran, ts, cap=0, mis=False):
-    out_cpu = ops.dispatch_pack(x, idx, w, e, r, gran, ts, cap)
+def _pack_both(x, idx, w, e, r, gran, ts, cap=0, mis=False, needs_grad=False):
+    out_cpu = ops.dispatch_pack(x, idx, w, e, r, gran, ts, cap, needs_grad)
     xc = dev(x)
     if mis:
         xc = misaligned(xc)
-    out_gpu = no_sync(ops.dispatch_pack, xc, dev(idx), dev(w), e, r, gran, dev(ts), cap)
+    out_gpu = no_sync(ops.dispatch_pack, xc, dev(idx), dev(w), e, r, gran, dev(ts), cap, needs_grad)
     return out_cpu, out_gpu
 
 
-def _compare_pack(out_cpu, out_gpu, hidden, gran, k, r, cap):
+def _compare_pack(out_cpu, out_gpu, hidden, gran, k, r, cap, needs_grad):
     send_c, counts_c, spos_c = out_cpu
     send_g, counts_g, spos_g = out_gpu
     exact(counts_c, counts_g, "counts")
+    if counts_c[:, CountsCol.GRAD].tolist() != [int(needs_grad)] * r:
+        raise Mismatch(f"counts' GRAD column {counts_c[:, CountsCol.GRAD].tolist()}, needs_grad={needs_grad}")
     exact(spos_c, spos_g, "send_pos")
     if send_c.shape != send_g.shape:
         raise Mismatch(f"send shape {tuple(send_c.shape)} vs {tuple(send_g.shape)}")
@@ -246,8 +249,8 @@ def _unpack_both(recv, counts, hidden, gran, k, n, rcap=0, ecap=0):
 
 def dispatch_case(g, t, h, k, r, e, dtype, gran, idx_dtype=torch.int64, bad=False, dup=False, mis=False,
                    capacity=False, sources=None):
-    """Pack on `sources` senders (CPU and CUDA), compare; then unpack what rank 0..r-1 would
-    receive from all of them, compare."""
+    """Pack on `sources` senders (CPU and CUDA), compare (odd senders pack with needs_grad); then
+    unpack what rank 0..r-1 would receive from all of them, compare."""
     sources = sources or min(r, 3)
     hidden = h * torch.empty((), dtype=dtype).element_size() if gran == RAW else h
     outs = []
@@ -265,8 +268,9 @@ def dispatch_case(g, t, h, k, r, e, dtype, gran, idx_dtype=torch.int64, bad=Fals
             # size the segments from the CPU layout (the caller drops to capacity first)
             _, c0, _ = ops.dispatch_pack(x, idx, w, e, r, gran, ts)
             cap = int(c0[:, ROWS].max()) + 3 if t else 1
-        out_cpu, out_gpu = _pack_both(x, idx, w, e, r, gran, ts, cap, mis)
-        _compare_pack(out_cpu, out_gpu, hidden, gran, k, r, cap)
+        needs_grad = s % 2 == 1
+        out_cpu, out_gpu = _pack_both(x, idx, w, e, r, gran, ts, cap, mis, needs_grad)
+        _compare_pack(out_cpu, out_gpu, hidden, gran, k, r, cap, needs_grad)
         outs.append((out_cpu, cap))
     # receive side for each destination rank q (sources in order)
     el = e // r
