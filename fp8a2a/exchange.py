@@ -26,7 +26,8 @@ from .wire import ACT_DTYPES, REJECTED, CountsCol, Granularity
 # The counts header's columns as plain ints for the per-call reads (an enum member lookup is a
 # Python attribute access each time).
 _HIDDEN, _TOPK, _BAD_IDS, _WIRE, _DTYPE, _GRAD, _ROWS, _EXPERTS = (
-    int(c) for c in (CountsCol.HIDDEN, CountsCol.TOPK, CountsCol.BAD_IDS, CountsCol.WIRE, XX CountsCol.ROWS, CountsCol.EXPERTS))
+    int(c) for c in (CountsCol.HIDDEN, CountsCol.TOPK, CountsCol.BAD_IDS, CountsCol.WIRE, CountsCol.DTYPE,
+                     CountsCol.GRAD, CountsCol.ROWS, CountsCol.EXPERTS))
 
 
 @dataclass(frozen=True)
