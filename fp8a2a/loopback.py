@@ -44,6 +44,7 @@ A topology is a function (rank, peer) -> link name on global ranks: `flat(link)`
 same) or `two_level(ranks_per_node)` (node peers over `device`, other nodes over `pcie`). Each
 collective groups its peer chunks by link and hands each link its byte ranges.
 """
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -236,6 +237,7 @@ class LoopbackWorld:
     topology: Topology
     num_experts: Optional[int] = None
     pcie_chunk_bytes: Optional[int] = None
+    traffic: Optional[list] = None  # while metered(): (link name, bytes) of each link hand-off
 
     def link_name(self, peer: int) -> str:
         return self.topology(self.rank, peer)
@@ -333,14 +335,23 @@ class LoopbackGroup(dist.ProcessGroup):
 
     def _send(self, pairs_by_peer: Dict[int, List[Pair]]):
         """Hand each link the pairs of its peers (the self pairs: a local copy)."""
-        by_link: Dict[int, Tuple[Link, List[Pair]]] = {}
+        by_link: Dict[object, Tuple[Link, List[Pair]]] = {}
+        self_link = None
         for peer, pairs in pairs_by_peer.items():
             if not pairs:
                 continue
-            link = _links(pairs[0][0].device)["none"] if peer == self._rank else self._link(peer, pairs[0][0].device)
-            by_link.setdefault(id(link), (link, []))[1].extend(pairs)
+            if peer == self._rank:  # a local copy, kept apart from the peers' (for the meter)
+                link = self_link = Link()
+                key = "self"
+            else:
+                link = self._link(peer, pairs[0][0].device)
+                key = id(link)
+            by_link.setdefault(key, (link, []))[1].extend(pairs)
+        traffic = _WORLD.traffic if _WORLD is not None else None
         for link, pairs in by_link.values():
             link.move(pairs)
+            if traffic is not None:
+                traffic.append(("self" if link is self_link else link.name, sum(p[1].numel() for p in pairs)))
 
     # ---- all-to-all --------------------------------------------------------------------------
 
@@ -366,6 +377,10 @@ class LoopbackGroup(dist.ProcessGroup):
         links = {self._link(j, src.device).name for j in range(n) if j != self._rank and send[j]}
         if links <= {"none"}:  # nothing crosses a link: one copy, self chunk included
             dst.copy_(src)
+            if _WORLD.traffic is not None:
+                row = src[0].numel() * src.element_size() if src.shape[0] else 0
+                self_bytes = send[self._rank] * row
+                _WORLD.traffic += [("self", self_bytes), ("none", sum(send) * row - self_bytes)]
         else:
             sb, db = _flat_bytes(src), _flat_bytes(dst)
             row = src[0].numel() * src.element_size() if src.shape[0] else 0
@@ -604,6 +619,20 @@ def relabel_experts(topk_idx: torch.Tensor, num_experts: int, ranks: int, shift:
     return torch.where((e >= 0) & (e < num_experts), moved, e).to(topk_idx.dtype)
 
 
+@contextlib.contextmanager
+def metered():
+    """Within the block, every link hand-off of the world's collectives is appended to the yielded
+    list as (link name, bytes); the self chunk counts as 'self'."""
+    if _WORLD is None:
+        raise RuntimeError("fp8a2a.loopback: no loopback world")
+    calls = []
+    before, _WORLD.traffic = _WORLD.traffic, calls
+    try:
+        yield calls
+    finally:
+        _WORLD.traffic = before
+
+
 def bytes_over_links(send_splits: Sequence[int], row_bytes: int, rank: int = None) -> Dict[str, int]:
     """Bytes of one all_to_all_single that cross each link (the self chunk under 'self')."""
     w = _WORLD
@@ -616,4 +645,4 @@ def bytes_over_links(send_splits: Sequence[int], row_bytes: int, rank: int = Non
 
 
 __all__ = ["init", "destroy", "world", "set_link", "flat", "two_level", "measure_link", "make_link", "LINKS",
-           "LoopbackWorld", "LoopbackGroup", "bytes_over_links", "relabel_experts", "BACKEND"]
+           "LoopbackWorld", "LoopbackGroup", "bytes_over_links", "relabel_experts", "metered", "BACKEND"]

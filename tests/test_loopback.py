@@ -234,10 +234,11 @@ def fp8a2a_step(x, idx, w, grad, experts, local, **opts):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     out = d.dispatch(x, idx, w)
     rows = out.dequantized(torch.float32)
-    lid = torch.repeat_interleave(torch.arange(out.tokens_per_expert.numel()), out.tokens_per_expert) % local
+    tpe = out.tokens_per_expert
+    lid = torch.repeat_interleave(torch.arange(tpe.numel(), device=tpe.device), tpe) % local
     y = d.combine((rows * (lid + 2).unsqueeze(1)).to(x.dtype), out.handle)
-    (y.float() * grad).sum().backward()
-    return [t.detach() for t in (out.tokens_per_expert, rows, out.weights, y, x.grad, w.grad)]
+    (y.float() * grad.to(y.device)).sum().backward()
+    return [t.detach().cpu() for t in (tpe, rows, out.weights, y, x.grad, w.grad)]
 
 
 def loopback_fp8a2a(n, rank, link, x, idx, w, grad, experts, opts):
@@ -328,10 +329,10 @@ def _megatron_on_cpu(gloo=False):
         dist.all_to_all_single = all_to_all_single
 
 
-def megatron_step(ep, rank, x, routing_map, probs, grad, experts, local, topk):
-    """Megatron's MoEAlltoAllTokenDispatcher (unfused, dropless) at expert parallelism `ep`:
-    dispatch, experts (local expert l scales by (l mod `local`) + 2, probs applied), combine,
-    backward of <y, grad>: (tokens per expert, y, dx, dprobs)."""
+def megatron_step(ep, rank, x, routing_map, probs, grad, experts, local, topk, fused=False):
+    """Megatron's MoEAlltoAllTokenDispatcher (dropless; `fused`: moe_permute_fusion) at expert
+    parallelism `ep`, on x's device: dispatch, experts (local expert l scales by (l mod `local`) + 2,
+    probs applied), combine, backward of <y, grad>: (tokens per expert, y, dx, dprobs)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state as ps
@@ -342,7 +343,7 @@ def megatron_step(ep, rank, x, routing_map, probs, grad, experts, local, topk):
     try:
         cfg = TransformerConfig(num_layers=1, hidden_size=x.shape[1], num_attention_heads=4, num_moe_experts=experts,
                                 moe_router_topk=topk, moe_token_dispatcher_type="alltoall", add_bias_linear=False,
-                                use_cpu_initialization=True)
+                                use_cpu_initialization=True, moe_permute_fusion=fused)
         pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "expt_tp", "tp_ep", "tp"])
         n_local = experts // ep
         d = MoEAlltoAllTokenDispatcher(n_local, list(range(rank * n_local, (rank + 1) * n_local)), cfg,
@@ -351,12 +352,12 @@ def megatron_step(ep, rank, x, routing_map, probs, grad, experts, local, topk):
         hs, pr = d.dispatch_preprocess(x, routing_map, probs)
         hs, pr = d.token_dispatch(hs, pr)
         hs, tpe, pr = d.dispatch_postprocess(hs, pr)
-        tpe = torch.as_tensor(tpe)
-        lid = torch.repeat_interleave(torch.arange(n_local), tpe) % local
+        tpe = torch.as_tensor(tpe).cpu()
+        lid = (torch.repeat_interleave(torch.arange(n_local), tpe) % local).to(hs.device)
         out = hs * (lid + 2).unsqueeze(1).to(hs.dtype) * pr.unsqueeze(1).to(hs.dtype)
         y = d.combine_postprocess(d.token_combine(d.combine_preprocess(out)))
-        (y.float() * grad).sum().backward()
-        return [t.detach() for t in (tpe, y, x.grad, probs.grad)]
+        (y.float() * grad.to(y.device)).sum().backward()
+        return [t.detach().cpu() for t in (tpe, y, x.grad, probs.grad)]
     finally:
         ps.destroy_model_parallel()
 
@@ -419,3 +420,42 @@ def test_megatron_alltoall_dispatcher_equals_real_gloo_run():
         mine = in_child(loopback_megatron, n, rank, "device", x, idx, w, grad, E, K)
         for name, a, b in zip(("tokens_per_expert", "y", "dx", "dprobs"), mine, real[rank]):
             assert torch.equal(a, b), (rank, name)
+
+
+def test_meter_counts_the_bytes_per_link():
+    def body():
+        with loopback_world(4, 2, topology=loopback.two_level(2)):
+            x = torch.zeros(10, 4)
+            with loopback.metered() as calls:
+                dist.all_to_all_single(torch.empty_like(x), x, [1, 2, 3, 4], [1, 2, 3, 4])
+            loopback.set_link("none")
+            with loopback.metered() as calls2:
+                dist.all_to_all_single(torch.empty_like(x), x, [1, 2, 3, 4], [1, 2, 3, 4])
+            return sorted(calls), sorted(calls2)
+    calls, calls2 = in_child(body)
+    assert calls == [("device", 64), ("pcie", 48), ("self", 48)]
+    assert calls2 == [("none", 112), ("self", 48)]
+
+
+# ---- the emulation benchmark (functional on the CPU) ----------------------------------------------
+
+def test_bench_case_runs_and_meters_the_wire():
+    from fp8a2a.bench import loopback as lb
+
+    def body():
+        case = lb.Case("tiny", 4, 48, 1024, 16, 4)
+        with loopback_world(4, 0):
+            res = lb.run_case(case, ["none", "pcie"], lb.default_variants(), repeat=2, iters=1, warmup=0,
+                              log=lambda s: None)
+        return res
+    res = in_child(body)
+    v = res["variants"]
+    assert not [n for n, r in v.items() if "unavailable" in r]
+    assert res["baseline"] == "step/megatron_style"
+    # FP8 rows: 1024 payload bytes + scale + routing against 2048 in BF16
+    assert v["dispatch_fwd/fp8"]["link_bytes"] < 0.6 * v["dispatch_fwd/bf16"]["link_bytes"]
+    assert v["step/fp8_all"]["link_bytes"] < v["step/fp8"]["link_bytes"] < v["step/bf16"]["link_bytes"]
+    assert all(len(r["device_ms"][lk]["runs"]) == 2 for r in v.values() for lk in ("none", "pcie"))
+    assert set(res["ratios"]["pcie"]) >= {"step/fp8 / step/megatron_style", "dispatch_fwd/fp8 / dispatch_fwd/bf16"}
+    assert v["step/fp8"]["precision"] == dict(dispatch="fp8 row", combine="bf16", combine_backward="fp8 row",
+                                              dispatch_backward="bf16")
