@@ -9,9 +9,10 @@ bytes that would leave the rank cross a real link of your choice.
 
 The traffic model: symmetric traffic. Every virtual rank j holds rank r's data with the expert
 blocks (the experts of one rank) relabelled: a token of j goes to expert e + (r - j) * L (mod E,
-L = E / n experts per rank) where r's goes to e (relabel_experts(topk_idx, E, n, r - j)). Then the rows j sends to r are exactly the
-rows r sends to j, local expert ids included (a wire row carries the destination's local ids,
-which the relabelling keeps), so each collective returns r's own bytes:
+L = E / n experts per rank) where r's goes to e (relabel_experts(topk_idx, E, n, r - j)). Then
+the rows j sends to r are exactly the rows r sends to j, local expert ids included (a wire row
+carries the destination's local ids, which the relabelling keeps), so each collective returns
+r's own bytes:
 
   all_to_all_single  the chunk received from j is r's chunk for j (so receive splits must equal send
                      splits: a caller whose receive sizes differ broke the model and gets an error)
@@ -45,6 +46,7 @@ same) or `two_level(ranks_per_node)` (node peers over `device`, other nodes over
 collective groups its peer chunks by link and hands each link its byte ranges.
 """
 import contextlib
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -580,6 +582,10 @@ def init(world_size: int, rank: int = 0, link: str = "pcie", topology: Optional[
         raise RuntimeError("fp8a2a.loopback: torch.distributed is already initialized")
     if not 0 <= rank < world_size:
         raise ValueError(f"loopback: rank {rank} is not in a world of {world_size}")
+    if os.environ.get("TORCH_DIST_INIT_BARRIER", "0") not in ("", "0"):
+        # new_group would wait in the store for the other ranks' arrival, which never comes
+        raise RuntimeError("fp8a2a.loopback: unset TORCH_DIST_INIT_BARRIER (new_group's store barrier waits for "
+                           "ranks that a loopback world does not have)")
     _WORLD = LoopbackWorld(rank, world_size, topology or flat(link), num_experts, pcie_chunk_bytes)
     _LINKS.clear()
     _register()

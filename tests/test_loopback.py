@@ -208,10 +208,12 @@ def test_relabel_experts_is_symmetric():
     base[0, 1] = -1
     per = E // n
     routed = [loopback.relabel_experts(base, E, n, -a) for a in range(n)]
+
+    def sent(idx, dst):  # per token, the local ids of its experts on rank dst
+        return [sorted(e % per for e in row if e >= 0 and e // per == dst) for row in idx.tolist()]
     for a in range(n):
-        for b in range(n):  # tokens a sends b (with their local ids) == tokens b sends a
-            sel = lambda idx, dst: [sorted((e % per) for e in row if e >= 0 and e // per == dst) for row in idx.tolist()]
-            assert sel(routed[a], b) == sel(routed[b], a)
+        for b in range(n):  # what a sends b (tokens with their local ids) == what b sends a
+            assert sent(routed[a], b) == sent(routed[b], a)
     assert routed[1][0, 1] == -1
 
 

@@ -27,7 +27,7 @@ scale model's form, fp8a2a.bench.model: kernels + bytes / bandwidth, no overlap)
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -321,7 +321,8 @@ def format_case(res: dict, links: Sequence[str]) -> str:
              f"({c['experts'] // c['ep']} local), top-{c['topk']}"]
     head = f"{'variant':<22}{'MB/step':>9}" + "".join(f"{link + ' ms':>24}" for link in links)
     remote = [lk for lk in links if lk != "none"]
-    head += "".join(f"{'model ' + lk + ' ms':>17}{lk + ' GB/s':>12}" for lk in remote) + "  precision (disp/comb/comb-bwd/disp-bwd)"
+    head += "".join(f"{'model ' + lk + ' ms':>17}{lk + ' GB/s':>12}" for lk in remote)
+    head += "  precision (disp/comb/comb-bwd/disp-bwd)"
     lines.append(head)
     for name, v in res["variants"].items():
         if "unavailable" in v and not v.get("device_ms", {}).get(links[0], {}).get("runs"):
@@ -372,7 +373,7 @@ def emulate(ep: int, link: str = "pcie", *, models: Optional[Sequence[str]] = No
     cuda = torch.cuda.is_available()
     lt = LinkTimes(torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
     doc = {"benchmark": "fp8a2a loopback EP emulation (fp8a2a.bench.loopback)",
-           "label": f"one GPU, loopback EP={ep} over {link}" + (" (emulated InfiniBand rail)" if link == "pcie" else ""),
+           "label": f"one GPU, loopback EP={ep} over {link}" + (" (emulated InfiniBand rail)" * (link == "pcie")),
            "device": torch.cuda.get_device_name() if cuda else "CPU (functional only)", "torch": torch.__version__,
            "timing": TIMING, "repeat": repeat, "iters": iters, "warmup": warmup, "links": links, "cases": []}
     t0 = time.time()
