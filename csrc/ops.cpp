@@ -44,8 +44,12 @@ TORCH_LIBRARY(fp8a2a, m) {
       "dispatch_unpack(Tensor recv, Tensor recv_counts, int hidden, int granularity, int topk, int num_rows, "
       "int rank_capacity=0, int expert_capacity=0) "
       "-> (Tensor data, Tensor scale, Tensor weights, Tensor tokens_per_expert, Tensor slot_pos, Tensor row_src)");
-  // Expert side: per received row, sum (weighted) of its local experts' outputs -> CombineRow bytes.
-  m.def("combine_pack(Tensor expert_out, Tensor slot_pos, Tensor? weights, Tensor? extra, bool quantize) -> Tensor");
+  // Expert side: per received row, the sum (weighted) of its local experts' outputs in float32 ->
+  // CombineRow bytes, converted last: to e4m3 (quantize) or to dtype (the activation's, whatever
+  // expert_out's own float32/float16/bfloat16; default expert_out's).
+  m.def(
+      "combine_pack(Tensor expert_out, Tensor slot_pos, Tensor? weights, Tensor? extra, bool quantize, "
+      "ScalarType? dtype=None) -> Tensor");
   // Token side: y[t] = sum over ranks of the rows sent back for t; extra[t, k] likewise.
   m.def(
       "combine_unpack(Tensor buf, Tensor send_pos, int hidden, ScalarType dtype, bool quantized, int extra_k) "

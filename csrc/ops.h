@@ -38,9 +38,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cuda(
                                                                                 int64_t rank_capacity, int64_t expert_capacity);
 
 Tensor combine_pack_cpu(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
-                        const std::optional<Tensor>& extra, bool quantize);
+                        const std::optional<Tensor>& extra, bool quantize, std::optional<at::ScalarType> dtype);
 Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
-                         const std::optional<Tensor>& extra, bool quantize);
+                         const std::optional<Tensor>& extra, bool quantize, std::optional<at::ScalarType> dtype);
 
 std::tuple<Tensor, Tensor> combine_unpack_cpu(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
                                               at::ScalarType dtype, bool quantized, int64_t extra_k);
@@ -205,6 +205,24 @@ inline DispatchRow check_unpack(const Tensor& recv, const Tensor& recv_counts, i
                 " expert rows, num_rows is ", num_rows);
   }
   return L;
+}
+
+// combine_pack: checks the inputs; returns the wire row and its payload's dtype when not quantized
+// (the activation's: `dtype`, by default expert_out's).
+inline std::pair<CombineRow, at::ScalarType> check_combine_pack(const Tensor& expert_out, const Tensor& slot_pos,
+                                                                const std::optional<Tensor>& weights,
+                                                                const std::optional<Tensor>& extra, bool quantize,
+                                                                std::optional<at::ScalarType> dtype) {
+  check_activation(expert_out, "expert_out");
+  check_index(slot_pos, 2, "slot_pos");
+  check_same_device(expert_out, slot_pos, "slot_pos");
+  check_f32_vector(weights, expert_out.size(0), expert_out, "weights");
+  check_f32_vector(extra, expert_out.size(0), expert_out, "extra");
+  const at::ScalarType wire = dtype.value_or(expert_out.scalar_type());
+  TORCH_CHECK(wire == at::kFloat || wire == at::kHalf || wire == at::kBFloat16,
+              "fp8a2a: combine_pack's row dtype (the activation's) must be float32, float16 or bfloat16, got ", wire);
+  const CombineRow L(expert_out.size(1), c10::elementSize(wire), quantize, extra.has_value() ? slot_pos.size(1) : 0);
+  return {L, wire};
 }
 
 // combine_unpack: the buffer must hold CombineRow rows for this hidden size and dtype.

@@ -90,11 +90,12 @@ def _(recv, recv_counts, hidden, granularity, topk, num_rows, rank_capacity=0, e
 
 
 @torch.library.register_fake("fp8a2a::combine_pack")
-def _(expert_out, slot_pos, weights, extra, quantize):
+def _(expert_out, slot_pos, weights, extra, quantize, dtype=None):
     _same_device("combine_pack", expert_out, ("slot_pos", slot_pos), ("weights", weights), ("extra", extra))
     extra_k = slot_pos.shape[1] if extra is not None else 0
-    return expert_out.new_empty((slot_pos.shape[0], combine_row_bytes(expert_out.shape[1], expert_out.dtype,
-                                                                       quantize, extra_k)), dtype=torch.uint8)
+    row_dtype = expert_out.dtype if dtype is None else dtype
+    return expert_out.new_empty((slot_pos.shape[0], combine_row_bytes(expert_out.shape[1], row_dtype, quantize,
+                                                                       extra_k)), dtype=torch.uint8)
 
 
 @torch.library.register_fake("fp8a2a::combine_unpack")
@@ -110,10 +111,20 @@ def _(topk_idx, topk_weights, num_experts, capacity):
     return torch.empty_like(topk_idx), topk_idx.new_empty((), dtype=torch.int64)
 
 
+def combine_pack(expert_out, slot_pos, weights, extra, quantize, dtype=None):
+    """The expert side of combine (and of dispatch's backward): per received row, the sum of its
+    local experts' rows of expert_out (each times its weight, where weights are given) in float32,
+    converted last into one combine wire row: e4m3 with a row scale (quantize), else `dtype` (the
+    activation's; default expert_out's). expert_out: bfloat16, float16 or float32 rows, in whichever
+    dtype the experts produced (float64 rows are converted to float32 here first)."""
+    if expert_out.dtype == torch.float64:
+        expert_out = expert_out.float()
+    return _ops.combine_pack(expert_out, slot_pos, weights, extra, quantize, dtype)
+
+
 quantize = _ops.quantize
 dequantize = _ops.dequantize
 dispatch_pack = _ops.dispatch_pack
 dispatch_unpack = _ops.dispatch_unpack
-combine_pack = _ops.combine_pack
 combine_unpack = _ops.combine_unpack
 capacity_drop = _ops.capacity_drop

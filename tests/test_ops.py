@@ -350,6 +350,83 @@ def test_combine_extras_map_back_to_topk_slots():
     assert torch.equal(extra, torch.where(idx >= 0, w, 0.0))  # each slot's value lands at [t, k]
 
 
+def test_combine_accumulates_in_float32_and_converts_last():
+    """float16 activations, float32 expert rows of 1e5, router weights 0.25: each weighted row is
+    25000 and token 0's two local experts sum to 50000, both within float16 (1e5 is not: converting
+    the rows to the wire's dtype first would give Inf)."""
+    h = 64
+    idx, w = torch.tensor([[0, 1], [1, -1]]), torch.full((2, 2), 0.25)
+    send, counts, send_pos = ops.dispatch_pack(torch.randn(2, h, dtype=torch.float16), idx, w, 2, 1, 0, None)
+    _, _, wts, _, slot_pos, _ = unpack_all(send, counts, h, 0, 2)
+    expert_out = torch.full((wts.shape[0], h), 1e5)
+    want = torch.tensor([[50000.0], [25000.0]]).expand(2, h)
+    buf = ops.combine_pack(expert_out, slot_pos, wts, None, False, torch.float16)
+    assert buf.shape[1] == ops.combine_row_bytes(h, torch.float16, False, 0)
+    y, _ = ops.combine_unpack(buf, send_pos, h, torch.float16, False, 0)
+    assert y.dtype == torch.float16 and torch.equal(y, want.half())  # float16's nearest: 49984, 24992
+    buf = ops.combine_pack(expert_out, slot_pos, wts, None, True, torch.float16)  # e4m3 wire, same sums
+    y, _ = ops.combine_unpack(buf, send_pos, h, torch.float16, True, 0)
+    assert torch.isfinite(y).all() and ((y.float() - want).abs() <= want / 2048).all(), y[:, 0]
+    # what converting first gave: Inf
+    buf = ops.combine_pack(expert_out.half(), slot_pos, wts, None, False)
+    assert torch.isinf(ops.combine_unpack(buf, send_pos, h, torch.float16, False, 0)[0]).all()
+
+
+def _combine_reference(expert_out, slot_pos, weights):
+    """combine_pack's sums in float32: slot by slot, each expert row times its weight."""
+    ef = expert_out.float()
+    ref = torch.zeros(slot_pos.shape[0], expert_out.shape[1])
+    for i, slots in enumerate(slot_pos.tolist()):
+        for n in slots:
+            if n >= 0:
+                ref[i] = ref[i] + weights[n] * ef[n]
+    return ref
+
+
+@pytest.mark.parametrize("wire", DTYPES)
+@pytest.mark.parametrize("eo_dtype", DTYPES + [torch.float64])
+def test_combine_pack_takes_expert_rows_of_any_dtype(eo_dtype, wire):
+    """expert_out in its own dtype, the row in the activation's: float32 sums, one conversion
+    (float64 rows: converted to float32 first, by the wrapper)."""
+    t, h, e, k = 20, 48, 8, 3
+    idx, w = routing(t, k, e)
+    send, counts, send_pos = ops.dispatch_pack(torch.randn(t, h).to(wire), idx, w, e, 2, 0, None)
+    _, _, wts, _, slot_pos, _ = unpack_all(send, counts, h, 0, k)
+    g = torch.Generator().manual_seed(1)
+    eo = (torch.randn(wts.shape[0], h, generator=g) * torch.logspace(-3, 4, h)).to(eo_dtype)
+    ref = _combine_reference(eo, slot_pos, wts)
+    buf = ops.combine_pack(eo, slot_pos, wts, None, False, wire)
+    assert buf.shape == (slot_pos.shape[0], ops.combine_row_bytes(h, wire, False, 0))
+    assert torch.equal(buf[:, :h * wire.itemsize].contiguous().view(wire), ref.to(wire))
+    buf = ops.combine_pack(eo, slot_pos, wts, None, True, wire)  # e4m3: the same sums, row-quantized
+    data, scale = quantize_reference(ref)
+    assert buf.shape == (slot_pos.shape[0], ops.combine_row_bytes(h, wire, True, 0))
+    assert torch.equal(buf[:, :h], u8(data).view(torch.uint8))
+    assert torch.equal(buf[:, h:h + 4].contiguous().view(torch.float32)[:, 0], scale)  # h % 4 == 0
+    if eo_dtype != torch.float64:  # no dtype: the row is expert_out's own
+        assert torch.equal(ops.combine_pack(eo, slot_pos, wts, None, False),
+                           ops.combine_pack(eo, slot_pos, wts, None, False, eo_dtype))
+
+
+def test_fake_combine_pack_sizes_rows_by_the_wire_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    slot_pos = torch.zeros(3, 2, dtype=torch.int32)
+    for eo_dtype, wire in ((torch.bfloat16, torch.float32), (torch.float32, torch.float16), (torch.float64, None)):
+        real = ops.combine_pack(torch.ones(4, 200, dtype=eo_dtype), slot_pos, None, None, False, wire)
+        with FakeTensorMode():
+            fake = ops.combine_pack(torch.ones(4, 200, dtype=eo_dtype), torch.zeros(3, 2, dtype=torch.int32), None,
+                                    None, False, wire)
+        assert fake.shape == real.shape, (eo_dtype, wire)
+    assert real.shape[1] == ops.combine_row_bytes(200, torch.float32, False, 0)  # float64 rows: a float32 wire
+
+
+def test_combine_pack_rejects_a_row_dtype_the_wire_cannot_carry():
+    slot_pos = torch.zeros(1, 1, dtype=torch.int32)
+    for dtype in (torch.float64, torch.int32):
+        with pytest.raises(RuntimeError, match="row dtype .* must be float32, float16 or bfloat16"):
+            ops.combine_pack(torch.ones(1, 16), slot_pos, None, None, False, dtype)
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("t,k,e,cap,ties", [(0, 8, 16, 2, False), (1, 1, 4, 1, False), (64, 8, 32, 3, False),
                                             (64, 8, 32, 5, True), (40, 2, 2, 30, True), (50, 4, 8, 100, False)])
@@ -390,7 +467,8 @@ def test_ops_trace_under_torch_compile():
     def step(x, idx, w):
         send, counts, send_pos = ops.dispatch_pack(x, idx, w, e, 1, 0, None, 0, True)
         data, sc, wts, _, slot_pos, _ = ops.dispatch_unpack(send, counts, h, 0, k, t * k)
-        buf = ops.combine_pack(ops.dequantize(data, sc, torch.float32), slot_pos, wts, None, False)
+        # bfloat16 expert rows onto a float32 wire (the fake sizes the row by the wire's dtype)
+        buf = ops.combine_pack(ops.dequantize(data, sc, torch.bfloat16), slot_pos, wts, None, False, torch.float32)
         return ops.combine_unpack(buf, send_pos, h, torch.float32, False, 0)[0], counts
 
     idx = torch.randint(0, e, (t, k))  # no -1, so every slot is routed and N = t * k is static

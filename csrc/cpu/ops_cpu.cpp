@@ -288,40 +288,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> dispatch_unpack_cpu(c
 }
 
 Tensor combine_pack_cpu(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
-                        const std::optional<Tensor>& extra, bool quantize) {
-  check_activation(expert_out, "expert_out");
-  check_index(slot_pos, 2, "slot_pos");
+                        const std::optional<Tensor>& extra, bool quantize, std::optional<at::ScalarType> dtype) {
+  const auto checked = check_combine_pack(expert_out, slot_pos, weights, extra, quantize, dtype);
+  const CombineRow L = checked.first;
   const int64_t N = expert_out.size(0), H = expert_out.size(1), Nr = slot_pos.size(0), K = slot_pos.size(1);
-  check_f32_vector(weights, N, expert_out, "weights");
-  check_f32_vector(extra, N, expert_out, "extra");
-  const CombineRow L(H, expert_out.element_size(), quantize, extra.has_value() ? K : 0);
   auto buf = at::zeros({Nr, L.bytes}, expert_out.options().dtype(at::kByte));
   const int32_t* pp = slot_pos.data_ptr<int32_t>();
   const float* wp = weights.has_value() ? weights->data_ptr<float>() : nullptr;
   const float* xp = extra.has_value() ? extra->data_ptr<float>() : nullptr;
   uint8_t* bp = buf.data_ptr<uint8_t>();
+  // expert_out's own dtype in (in_t), the wire row's out (out_t; a quantized row is e4m3 whatever it)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, expert_out.scalar_type(), "fp8a2a_combine_pack", [&] {
-    const scalar_t* ep = expert_out.data_ptr<scalar_t>();
-    at::parallel_for(0, Nr, 8, [&](int64_t lo, int64_t hi) {
-      std::vector<float> acc(H);
-      for (int64_t i = lo; i < hi; ++i) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        uint8_t* row = bp + i * L.bytes;
-        for (int64_t k = 0; k < K; ++k) {
-          const int32_t n = pp[i * K + k];
-          if (n < 0) continue;
-          TORCH_CHECK(n < N, "fp8a2a: slot_pos entry ", n, " out of range for ", N, " expert rows");
-          const float w = wp ? wp[n] : 1.0f;
-          for (int64_t h = 0; h < H; ++h) acc[h] += w * static_cast<float>(ep[n * H + h]);
-          if (xp) reinterpret_cast<float*>(row + L.extra_off)[k] = xp[n];
+    using in_t = scalar_t;
+    const in_t* ep = expert_out.data_ptr<in_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, checked.second, "fp8a2a_combine_pack", [&] {
+      using out_t = scalar_t;
+      at::parallel_for(0, Nr, 8, [&](int64_t lo, int64_t hi) {
+        std::vector<float> acc(H);
+        for (int64_t i = lo; i < hi; ++i) {
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          uint8_t* row = bp + i * L.bytes;
+          for (int64_t k = 0; k < K; ++k) {
+            const int32_t n = pp[i * K + k];
+            if (n < 0) continue;
+            TORCH_CHECK(n < N, "fp8a2a: slot_pos entry ", n, " out of range for ", N, " expert rows");
+            const float w = wp ? wp[n] : 1.0f;
+            for (int64_t h = 0; h < H; ++h) acc[h] += w * static_cast<float>(ep[n * H + h]);
+            if (xp) reinterpret_cast<float*>(row + L.extra_off)[k] = xp[n];
+          }
+          if (quantize) {
+            quantize_row(acc.data(), H, kRow, 0.0f, 0.0f, row, reinterpret_cast<float*>(row + L.scale_off));
+          } else {
+            auto* out = reinterpret_cast<out_t*>(row);
+            for (int64_t h = 0; h < H; ++h) out[h] = static_cast<out_t>(acc[h]);
+          }
         }
-        if (quantize) {
-          quantize_row(acc.data(), H, kRow, 0.0f, 0.0f, row, reinterpret_cast<float*>(row + L.scale_off));
-        } else {
-          auto* out = reinterpret_cast<scalar_t*>(row);
-          for (int64_t h = 0; h < H; ++h) out[h] = static_cast<scalar_t>(acc[h]);
-        }
-      }
+      });
     });
   });
   return buf;

@@ -1,4 +1,5 @@
-// combine_pack (expert side: the weighted sum of a received row's expert outputs, one wire row)
+// combine_pack (expert side: the weighted sum of a received row's expert outputs in float32, one
+// wire row in the activation's dtype or e4m3)
 // and combine_unpack (token side: the sum of the rows sent back for a token): kernels and host
 // entry points.
 #include "common.cuh"
@@ -33,7 +34,8 @@ __device__ __forceinline__ void store_units(const float (&acc)[UPT][16], T* out,
 }
 
 // =============================================================================================
-// combine_pack: one block per received row
+// combine_pack: one block per received row. T: expert_out's element type; O: the wire payload's
+// (the activation's) when not quantized. Weighted and summed in float32, converted when written.
 // =============================================================================================
 struct CombPackParams {
   const void* eo;
@@ -57,7 +59,7 @@ __device__ __forceinline__ uint32_t combine_tail_word(const CombPackParams& p, i
   return 0u;
 }
 
-template <typename T, int UPT>
+template <typename T, typename O, int UPT>
 __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_pack_vec_kernel(CombPackParams p) {
   __shared__ uint32_t s_red[32];
   const int64_t i = blockIdx.x;
@@ -100,7 +102,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) combine_pack_vec_kernel
       if (u < U) reinterpret_cast<uint4*>(dst)[u] = quantize_f32x16(acc[j], q);
     }
   } else {
-    store_units<T, UPT>(acc, reinterpret_cast<T*>(dst), U);
+    store_units<O, UPT>(acc, reinterpret_cast<O*>(dst), U);
   }
   const int64_t tail_vecs = (p.row_bytes - p.payload_bytes) / 16;
   for (int64_t v = threadIdx.x; v < tail_vecs; v += blockDim.x) {
@@ -126,7 +128,7 @@ __device__ __forceinline__ float combine_acc(const CombPackParams& p, int64_t i,
   return a;
 }
 
-template <typename T>
+template <typename T, typename O>
 __global__ void __launch_bounds__(256) combine_pack_scalar_kernel(CombPackParams p) {
   __shared__ float s_red[32];
   const int64_t i = blockIdx.x;
@@ -144,8 +146,8 @@ __global__ void __launch_bounds__(256) combine_pack_scalar_kernel(CombPackParams
     scale = scale_of(m);
     for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) dst[h] = e4m3_1(__fmul_rn(combine_acc<T>(p, i, h), q));
   } else {
-    T* out = reinterpret_cast<T*>(dst);
-    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) Elem<T>::store1(out + h, combine_acc<T>(p, i, h));
+    O* out = reinterpret_cast<O*>(dst);
+    for (int64_t h = threadIdx.x; h < p.H; h += blockDim.x) Elem<O>::store1(out + h, combine_acc<T>(p, i, h));
   }
   for (int64_t b = p.payload_bytes + threadIdx.x; b < p.scale_off; b += blockDim.x) dst[b] = 0;
   for (int64_t off = p.scale_off + 4 * static_cast<int64_t>(threadIdx.x); off < p.row_bytes; off += 4 * blockDim.x)
@@ -240,14 +242,10 @@ __global__ void __launch_bounds__(256) combine_unpack_scalar_kernel(CombUnpackPa
 }  // namespace
 
 Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
-                         const std::optional<Tensor>& extra, bool quantize) {
-  check_activation(expert_out, "expert_out");
-  check_index(slot_pos, 2, "slot_pos");
-  check_same_device(expert_out, slot_pos, "slot_pos");
+                         const std::optional<Tensor>& extra, bool quantize, std::optional<at::ScalarType> dtype) {
+  const auto checked = check_combine_pack(expert_out, slot_pos, weights, extra, quantize, dtype);
+  const CombineRow L = checked.first;
   const int64_t N = expert_out.size(0), H = expert_out.size(1), Nr = slot_pos.size(0), K = slot_pos.size(1);
-  check_f32_vector(weights, N, expert_out, "weights");
-  check_f32_vector(extra, N, expert_out, "extra");
-  const CombineRow L(H, expert_out.element_size(), quantize, extra.has_value() ? K : 0);
   const c10::cuda::CUDAGuard guard(expert_out.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   auto buf = at::empty({Nr, L.bytes}, expert_out.options().dtype(at::kByte));
@@ -270,11 +268,16 @@ Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const
   p.quant = quantize;
   const int64_t U = H / 16;
   const int upt = (H % 16 == 0 && H > 0 && aligned16(p.eo)) ? units_per_thread(U) : 0;
+  // a quantized row's payload is e4m3 whatever the dtype: the kernels of O = T serve it
+  const at::ScalarType out_dtype = quantize ? expert_out.scalar_type() : checked.second;
   FP8A2A_DISPATCH_FLOAT(expert_out.scalar_type(), "combine_pack", [&] {
-    if (upt == 1) combine_pack_vec_kernel<scalar_t, 1><<<Nr, threads_for(U, 1), 0, stream>>>(p);
-    else if (upt == 2) combine_pack_vec_kernel<scalar_t, 2><<<Nr, threads_for(U, 2), 0, stream>>>(p);
-    else combine_pack_scalar_kernel<scalar_t><<<Nr, 256, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    using in_t = scalar_t;
+    FP8A2A_DISPATCH_FLOAT(out_dtype, "combine_pack", [&] {
+      if (upt == 1) combine_pack_vec_kernel<in_t, scalar_t, 1><<<Nr, threads_for(U, 1), 0, stream>>>(p);
+      else if (upt == 2) combine_pack_vec_kernel<in_t, scalar_t, 2><<<Nr, threads_for(U, 2), 0, stream>>>(p);
+      else combine_pack_scalar_kernel<in_t, scalar_t><<<Nr, 256, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return buf;
 }

@@ -394,6 +394,18 @@ COMBINE_CASES = [
 COMBINE_MODES = [(quant, with_w, with_x) for quant in (False, True)
                  for with_w, with_x in ((True, False), (False, True), (False, False))]
 
+# combine_pack with expert rows in one dtype and the wire row in another, each pair, both wires:
+# (h, misaligned expert rows) for one unit per thread, two, the scalar kernel by H and by address
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+COMBINE_DTYPE_SHAPES = [(2048, False), (17408, False), (200, False), (2048, True)]
+COMBINE_DTYPE_CASES = [(h, mis, eo_dtype, wire, quant) for h, mis in COMBINE_DTYPE_SHAPES for eo_dtype in FLOAT_DTYPES
+                       for wire in FLOAT_DTYPES for quant in (False, True)]
+
+
+def combine_dtype_name(h, mis, eo_dtype, wire, quant):
+    return f"combine_pack H={h} {_dtype_name(eo_dtype)}->{_dtype_name(wire)} quant={int(quant)}" + \
+        (" misaligned" if mis else "")
+
 # (tokens, k, experts, capacity, weights): one block up to 4096 slots (and few enough experts),
 # buckets and a radix select above. weights: "rand", "ties" (a few values, -0 next to +0), "nan"
 # (NaNs of both signs and payloads, infinities, zeros), "one" (every routed slot on one expert,

@@ -11,10 +11,11 @@ import torch
 
 from fp8a2a import ops
 
-from .cuda_cases import (CAPACITY_DROP_CASES, COMBINE_CASES, COMBINE_MODES, DEVICE, DISPATCH_CASES, HEADER, RAW,
-                         ROWS, any_equal, capacity_drop_inputs, capacity_drop_name, case_id, combine_name,
-                         compare_combine_rows, dev, dispatch_case, dispatch_layout, dispatch_name, exact, float_equal,
-                         fp8_equal, make_routing, make_x, misaligned, no_sync, quantize_cases, quantize_name, seeded)
+from .cuda_cases import (CAPACITY_DROP_CASES, COMBINE_CASES, COMBINE_DTYPE_CASES, COMBINE_MODES, DEVICE,
+                         DISPATCH_CASES, HEADER, RAW, ROWS, any_equal, capacity_drop_inputs, capacity_drop_name,
+                         case_id, combine_dtype_name, combine_name, compare_combine_rows, dev, dispatch_case,
+                         dispatch_layout, dispatch_name, exact, float_equal, fp8_equal, make_routing, make_x,
+                         misaligned, no_sync, quantize_cases, quantize_name, seeded)
 
 pytestmark = pytest.mark.gpu
 
@@ -131,6 +132,28 @@ def test_combine(t, h, k, r, e, dtype, quant, with_w, with_x):
         float_equal(y_c, y_g, "combine_unpack y float64")
 
 
+@pytest.mark.parametrize("h,mis,eo_dtype,wire,quant", COMBINE_DTYPE_CASES,
+                         ids=[case_id(combine_dtype_name(*c)) for c in COMBINE_DTYPE_CASES])
+def test_combine_pack_dtypes(h, mis, eo_dtype, wire, quant):
+    """Expert rows in their own dtype, the wire row in the activation's: the same float32 sums and
+    the same one conversion on both devices. Rows up to ~1e5 (float32 and bfloat16 rows): their
+    sums overflow a float16 wire to Inf on both."""
+    name = combine_dtype_name(h, mis, eo_dtype, wire, quant)
+    g = seeded(name)
+    t, k, e = 64, 4, 8
+    idx, w = make_routing(t, k, e, g)
+    send, counts, _ = ops.dispatch_pack(make_x(t, h, torch.float32, g, special=False), idx, w, e, 1, 0, None)
+    rows, n = int(counts[:, ROWS].sum()), int(counts[:, HEADER:].sum())
+    _, _, wts, _, slot_pos, _ = ops.dispatch_unpack(send[:rows], counts, h, 0, k, n)
+    eo = make_x(n, h, eo_dtype, g, special=True, scale=100.0)
+    xv = torch.rand(n, generator=g)
+    buf_c = ops.combine_pack(eo, slot_pos, wts, xv, quant, wire)
+    eo_g = misaligned(dev(eo)) if mis else dev(eo)
+    buf_g = no_sync(ops.combine_pack, eo_g, dev(slot_pos), dev(wts), dev(xv), quant, wire)
+    compare_combine_rows(buf_c, buf_g.cpu(), h, wire, quant, k, name)
+    assert buf_c.shape[1] == ops.combine_row_bytes(h, wire, quant, k)
+
+
 def test_combine_skips_out_of_range_positions():
     """The CPU raises on these positions; CUDA skips entries past the buffer / expert rows."""
     eo = torch.randn(10, 256, generator=seeded("combine out-of-range positions are skipped"))
@@ -202,6 +225,7 @@ def graph_inputs():
     data, sc, i["wts"], _, i["slot_pos"], _ = ops.dispatch_unpack(i["recv"], counts, 2048, 0, 8, i["n"])
     i["eo"] = ops.dequantize(data, sc, torch.bfloat16)
     i["buf"] = ops.combine_pack(i["eo"], i["slot_pos"], i["wts"], i["wts"], False)
+    i["eo32"] = i["eo"].float()
     return i
 
 
@@ -224,6 +248,8 @@ GRAPHS = {
                                                               256 * i["ecap"], i["cap"], i["ecap"]),
     "combine_pack": lambda i: ops.combine_pack(i["eo"], i["slot_pos"], i["wts"], i["wts"], False),
     "combine_pack quantized": lambda i: ops.combine_pack(i["eo"], i["slot_pos"], i["wts"], None, True),
+    "combine_pack float32 rows, bfloat16 wire": lambda i: ops.combine_pack(i["eo32"], i["slot_pos"], i["wts"], None,
+                                                                          False, torch.bfloat16),
     "combine_unpack": lambda i: ops.combine_unpack(i["buf"], i["send_pos"], 2048, torch.bfloat16, False, 8),
     "capacity_drop (one block)": lambda i: ops.capacity_drop(i["idx"][:300], i["w"][:300], 256, 4),
     "capacity_drop (buckets)": lambda i: ops.capacity_drop(i["idx"], i["w"], 256, 40),
