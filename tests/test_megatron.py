@@ -248,6 +248,50 @@ def test_block128_keeps_the_small_block_that_row_scales_lose():
         assert b["small block"] <= E4M3 and r["small block"] > 0.5, (b["small block"], r["small block"])
 
 
+def _capacity_scenario(rank, world):
+    """Drop-and-pad with the capacity applied by the Dispatcher (the router applies none) and by the
+    router (the expert bias keeps it there: the path of every drop-and-pad before the Dispatcher
+    took it over): the same outputs and gradients, to the bit."""
+    init_parallel(world)
+    try:
+        over = dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True,
+                    moe_router_score_function="sigmoid", fp8a2a_bf16_below_bytes=0)
+        torch.manual_seed(1)
+        once = build(moe_spec(8), make_config(fm.FP8_ALLTOALL, **over))
+        torch.manual_seed(1)
+        router = build(moe_spec(8), make_config(fm.FP8_ALLTOALL, moe_router_enable_expert_bias=True, **over))
+        torch.manual_seed(1)
+        position = build(moe_spec(8), make_config(fm.FP8_ALLTOALL, moe_token_drop_policy="position", **over))
+        router.load_state_dict(once.state_dict(), strict=False)  # expert_bias: zeros, the same routing
+        d = once.token_dispatcher
+        assert not d.router_applies_capacity and not d.strip_capacity_padding and d.capacity_factor == 0.5
+        assert once.router.config.moe_expert_capacity_factor is None and once.config.moe_expert_capacity_factor == 0.5
+        for layer in (router, position):
+            assert layer.token_dispatcher.router_applies_capacity and layer.token_dispatcher.strip_capacity_padding
+            assert layer.router.config is layer.config
+
+        maps = []
+        preprocess = d.dispatch_preprocess
+        d.dispatch_preprocess = lambda h, m, p: (maps.append(m), preprocess(h, m, p))[1]
+        x, G = inputs({**BASE}, rank)
+        results = []
+        for layer in (once, router):
+            xi = x.clone().requires_grad_()
+            y, _ = layer(xi)
+            (y * G).sum().backward()
+            results.append([y, xi.grad] + [p.grad for p in layer.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+        # the router applied no capacity: Megatron's top-k map, more slots than the capacity for some expert
+        assert int(maps[0].sum(1).max()) <= 2
+        return int(maps[0].sum(0).max()) > -(-12 * 2 * 0.5 // 8)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_capacity_applied_once_with_the_results_of_the_router_applying_it():
+    assert any(run_ranks(2, _capacity_scenario))  # a slot was dropped on some rank
+
+
 # ---- the six stages as Megatron's combined-1F1B schedule drives them -----------------------------
 
 class _Node:
@@ -399,21 +443,20 @@ def test_static_capacity_mode_needs_a_capacity_factor():
 def test_default_granularity_follows_the_recipe():
     """No granularity given: the recipe's own under Megatron's experts, row for the FP8 experts or
     without a recipe; any given granularity wins."""
-    from fp8a2a.megatron.options import default_granularity
-
-    def cfg(recipe, fp8="e4m3", hidden=512, **kw):
-        return argparse.Namespace(fp8=fp8, fp8_recipe=recipe, hidden_size=hidden, **kw)
+    def granularity(recipe, fp8_experts=False, fp8="e4m3", hidden=512, **kw):
+        cfg = argparse.Namespace(fp8=fp8, fp8_recipe=recipe, hidden_size=hidden, **kw)
+        return fm.resolve(cfg, fp8_experts=fp8_experts).dispatcher.granularity
     want = {"blockwise": "block128", "tensorwise": "row", "delayed": "row", "mxfp8": "row"}
     for recipe, g in want.items():
-        assert default_granularity(cfg(recipe), fp8_experts=False) == g
-        assert default_granularity(cfg(recipe), fp8_experts=True) == "row"
-    assert default_granularity(cfg("blockwise", fp8=None), fp8_experts=False) == "row"  # FP8 off
-    assert default_granularity(cfg("blockwise", hidden=200), fp8_experts=False) == "row"  # no 128-value blocks
-    assert default_granularity(cfg("blockwise", moe_latent_size=200), fp8_experts=False) == "row"  # the dispatched width
-    assert default_granularity(cfg("blockwise", fp8a2a_granularity="row"), fp8_experts=False) is None
+        assert granularity(recipe) == g
+        assert granularity(recipe, fp8_experts=True) == "row"
+    assert granularity("blockwise", fp8=None) == "row"  # FP8 off
+    assert granularity("blockwise", hidden=200) == "row"  # no 128-value blocks
+    assert granularity("blockwise", moe_latent_size=200) == "row"  # the dispatched width
+    assert granularity("blockwise", fp8a2a_granularity="tensor") == "tensor"
     try:
-        fm.register(granularity="row")
-        assert default_granularity(cfg("blockwise"), fp8_experts=False) is None
+        fm.register(granularity="tensor")
+        assert granularity("blockwise") == "tensor"
     finally:
         fm.options.reset_defaults()
 
@@ -442,21 +485,32 @@ def test_layer_dispatcher_takes_the_recipe_granularity(fp8_experts, recipe, over
 def test_options_precedence():
     try:
         fm.register(granularity="block128", bf16_below_bytes=0)
-        assert fm.resolve(None).granularity == "block128"
+        assert fm.resolve(None).dispatcher.granularity == "block128"
         cfg = argparse.Namespace(fp8a2a_granularity="tensor", fp8a2a_fp8_combine=None)
-        opts = fm.resolve(cfg)
-        assert (opts.granularity, opts.bf16_below_bytes, opts.fp8_combine) == ("tensor", 0, False)
+        wire = fm.resolve(cfg).dispatcher
+        assert (wire.granularity, wire.bf16_below_bytes, wire.fp8_combine) == ("tensor", 0, False)
         with pytest.raises(ValueError, match="granularity"):
             fm.resolve(argparse.Namespace(fp8a2a_granularity="col"))
+        with pytest.raises(ValueError, match="capacity mode"):
+            fm.register(capacity_mode="sometimes")
         with pytest.raises(TypeError, match="unknown"):
             fm.register(granularty="row")
         fm.register(fp8_dgrad=True)  # the FP8 experts' options follow the same precedence
-        assert (fm.resolve(None).fp8_dgrad, fm.resolve(None).fp8_wgrad) == (True, False)
-        assert not fm.resolve(argparse.Namespace(fp8a2a_fp8_dgrad=False)).fp8_dgrad
-        assert fm.resolve(argparse.Namespace(fp8a2a_fp8_wgrad=True)).fp8_wgrad
+        assert fm.resolve(None).experts == fm.options.ExpertOptions(fp8_dgrad=True, fp8_wgrad=False)
+        assert not fm.resolve(argparse.Namespace(fp8a2a_fp8_dgrad=False)).experts.fp8_dgrad
+        assert fm.resolve(argparse.Namespace(fp8a2a_fp8_wgrad=True)).experts.fp8_wgrad
     finally:
         fm.options.reset_defaults()
     assert fm.resolve(None) == fm.Options()
+
+
+@pytest.mark.parametrize("mode,pad,factor", [("auto", True, 0.5), ("auto", False, None), ("static", False, 0.5),
+                                             ("variable", True, None)])
+def test_capacity_mode_gives_the_dispatcher_its_capacity_factor(mode, pad, factor):
+    cfg = argparse.Namespace(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=pad,
+                             fp8a2a_capacity_mode=mode)
+    opts = fm.resolve(cfg)
+    assert (opts.capacity_mode, opts.dispatcher.capacity_factor) == (mode, factor)
 
 
 def test_command_line_flags():
@@ -469,10 +523,10 @@ def test_command_line_flags():
                       "--fp8a2a-fp8-combine", "--fp8a2a-bf16-below-bytes", "0", "--fp8a2a-fp8-dgrad"])
     assert a.moe_token_dispatcher_type == "fp8_alltoall"
     opts = fm.resolve(a)
-    assert (opts.granularity, opts.fp8_combine, opts.bf16_below_bytes, opts.capacity_mode) == \
-        ("block128", True, 0, "auto")
-    assert (opts.fp8_dgrad, opts.fp8_wgrad) == (True, False)
-    assert fm.resolve(p.parse_args(["--fp8a2a-fp8-wgrad"])).fp8_wgrad
+    assert (opts.dispatcher.granularity, opts.dispatcher.fp8_combine, opts.dispatcher.bf16_below_bytes,
+            opts.capacity_mode) == ("block128", True, 0, "auto")
+    assert (opts.experts.fp8_dgrad, opts.experts.fp8_wgrad) == (True, False)
+    assert fm.resolve(p.parse_args(["--fp8a2a-fp8-wgrad"])).experts.fp8_wgrad
     defaults = p.parse_args([])
     assert fm.resolve(defaults) == fm.Options()
     with pytest.raises(SystemExit):
