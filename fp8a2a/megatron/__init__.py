@@ -20,24 +20,18 @@ edited), the first two keyed on the dispatcher type so other types are untouched
     the module-level name MoEAlltoAllTokenDispatcher in megatron.core.transformer.moe.moe_layer bound
     to FP8AlltoAllTokenDispatcher (so the alltoall branch builds ours, with the same arguments);
     then restores both. Megatron-core 0.16 and 0.19 both build dispatchers this way; a version that
-    does not gets its dispatcher replaced after the original __init__ (with a warning);
+    does not gets its dispatcher replaced after the original __init__ (with a warning). Then the
+    dispatcher learns the experts (set_experts) and, in the capacity mode, takes the capacity
+    from the router (set_router: the Dispatcher drops and pads, the router no longer does);
   * megatron.training.arguments.add_megatron_arguments (what its parse_args calls): adds
     add_arguments(parser). Patched at once if that module is loaded, else by a one-shot import hook
     when it is (register() never imports the training stack itself).
 register() is idempotent; unregister() undoes it.
 
-CUDA graphs (megatron-core 0.19.2's cuda_graph_impl / cuda_graph_modules; dispatcher.check_cuda_graphs
-refuses the rest when the dispatcher is built, naming the option):
-  * local, moe_router / moe_preprocess (local captures both): works in every capacity mode: the
-    graph ends after dispatch_preprocess (local, no host sync), the exchange runs eagerly;
-  * local, whole layer ([]) or moe: works in the capacity mode (drop-and-pad, or
-    --fp8a2a-capacity-mode static): static shapes, no host sync; refused otherwise (one host sync);
-  * local, attn: the MoE part runs eagerly: works;
-  * whole layer or moe with fp8_experts_spec experts: refused by experts.check_cuda_graphs (their
-    FP8 weights are cached outside the graph; a replay would keep the captured step's weights);
-  * transformer_engine, full_iteration: refused (not yet checked against alltoall);
-  * moe_preprocess with a capacity factor without drop-and-pad: refused by Megatron's own
-    validation (fp8_alltoall validates as alltoall), though fp8_alltoall's preprocess has no sync.
+CUDA graphs: which of Megatron's settings work with fp8_alltoall is in README.md (Megatron-core, CUDA
+graphs); dispatcher.check_cuda_graphs and experts.check_cuda_graphs refuse the rest when the layer
+is built, naming the option.
+
 Where Megatron tests `moe_token_dispatcher_type == "alltoall"` outside the dispatcher, fp8_alltoall
 (the type reads "fp8_alltoall" there: only __post_init__ and MoELayer.__init__ see "alltoall")
 takes the other branch, which is right for it, so nothing is patched:
@@ -89,7 +83,7 @@ def add_arguments(parser):
         action.choices = list(action.choices) + [FP8_ALLTOALL]
     if "--fp8a2a-granularity" in opts:
         return parser
-    d = Options()
+    d = Options().dispatcher
     g = parser.add_argument_group("fp8a2a", "FP8 token dispatch (--moe-token-dispatcher-type fp8_alltoall)")
     g.add_argument("--fp8a2a-granularity", choices=list(GRANULARITIES), default=None,
                    help=f"FP8 scale granularity on the wire (default {d.granularity}; block128 under TE's "
@@ -178,6 +172,7 @@ def _patch_moe_layer():
             if self.shared_experts is not None and getattr(self, "shared_expert_overlap", False):
                 self.token_dispatcher.set_shared_experts(self.shared_experts)
         self.token_dispatcher.set_experts(self.experts)
+        self.token_dispatcher.set_router(self.router)
 
     _patch(ml.MoELayer, "__init__", __init__)
 
@@ -269,12 +264,13 @@ def register(**defaults):
     """Make Megatron-core build the fp8_alltoall dispatcher (see the module docstring).
 
     defaults: process-wide option defaults (granularity, capacity_mode, fp8_combine,
-    fp8_dispatch_backward, bf16_below_bytes, and the FP8 experts' fp8_dgrad, fp8_wgrad); config attributes fp8a2a_<name> and the --fp8a2a-*
-    flags take precedence; a granularity given nowhere follows the TE recipe
-    (options.default_granularity). Returns the resolved defaults."""
+    fp8_dispatch_backward, bf16_below_bytes, and the FP8 experts' fp8_dgrad, fp8_wgrad); config
+    attributes fp8a2a_<name> and the --fp8a2a-* flags take precedence; a granularity given nowhere
+    follows the TE recipe (options.RECIPE_GRANULARITY). Returns the defaults as options.Options."""
     import megatron.core  # noqa: F401  (a clear ImportError when megatron-core is missing)
 
-    opts = set_defaults(**defaults) if defaults else resolve(None)
+    if defaults:
+        set_defaults(**defaults)
     if not _patches:
         try:
             _patch_config()
@@ -283,7 +279,7 @@ def register(**defaults):
         except BaseException:
             unregister()
             raise
-    return opts
+    return resolve(None)
 
 
 def unregister():

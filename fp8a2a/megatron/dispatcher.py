@@ -30,11 +30,16 @@ the TP x EP group with Dispatcher(expert_tp_size=...): each token goes straight 
 rank of its expert's EP rank (what Megatron's all-to-all + TP all-gather achieve, in FP8 bytes);
 the combine sums the expert-TP partial outputs (Megatron's reduce-scatter).
 
-Capacity (options.py, --fp8a2a-capacity-mode): Megatron's router applies moe_expert_capacity_factor
-(dropping) in every mode. Drop-and-pad (moe_pad_expert_input_to_capacity) maps to the Dispatcher's
-capacity mode (static shapes, no host sync, every local expert gets R x capacity rows, padding rows
-zero with weight 0: the shapes and results of Megatron's alltoall drop-and-pad); the router's own
-padding slots (probability 0) are never sent.
+Capacity (options.py, --fp8a2a-capacity-mode): drop-and-pad (moe_pad_expert_input_to_capacity)
+maps to the Dispatcher's capacity mode (static shapes, no host sync, every local expert gets R x
+capacity rows, padding rows zero with weight 0: the shapes and results of Megatron's alltoall
+drop-and-pad). The capacity is then applied once, by the Dispatcher (its kernels drop and pad):
+Megatron's get_capacity, and per expert the slots with the lowest router probabilities dropped
+first, Megatron's "probs" drop policy; set_router gives the router a config without the capacity
+factor, so it neither drops nor adds padding slots. The router keeps applying it where its result
+would differ: outside the capacity mode, under the "position" drop policy, and with the expert
+bias (which counts the router's capacity-padded routing map). Its padding slots (probability 0)
+are then removed in dispatch_preprocess and never sent.
 
 Padding for quantization (moe_router_padding_for_quantization, which Megatron sets with FP8/FP4
 recipes; its experts then skip their own padding): every local expert's row count is rounded up
@@ -47,6 +52,7 @@ gradients are those without padding (the padding rows add 0 to both, and being z
 move TE's current-scaling amax as Megatron's padding tokens can). The FP8 experts
 (fp8_experts_spec) need no alignment and get none.
 """
+import copy
 from dataclasses import replace
 from typing import Optional
 
@@ -55,9 +61,9 @@ import torch
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from ..dispatcher import Dispatcher
+from .. import Dispatcher
 from ..quant import QuantizedTensor, dequantize
-from .options import default_granularity, resolve
+from .options import Options, resolve
 
 
 class _Carrier(torch.autograd.Function):
@@ -131,7 +137,7 @@ def _graph_modules(config):
 
 def check_cuda_graphs(config, capacity_mode: bool):
     """Refuses (ValueError naming the option) the Megatron CUDA-graph settings fp8_alltoall does not
-    support; see "CUDA graphs" in fp8a2a/megatron/__init__.py for the table and the reasons."""
+    support; README.md (Megatron-core, CUDA graphs) has the table and the reasons."""
     impl = getattr(config, "cuda_graph_impl", "none") or "none"
     if impl == "none":
         return
@@ -158,11 +164,12 @@ def check_cuda_graphs(config, capacity_mode: bool):
 class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
     """--moe-token-dispatcher-type fp8_alltoall (see the module docstring).
 
-    Options (granularity, capacity mode, FP8 combine, FP8 dispatch backward, BF16 threshold) come
-    from fp8a2a.megatron.options.resolve(config). The MoELayer hook of fp8a2a.megatron.register()
-    calls set_experts: experts that consume QuantizedTensor rows (the FP8 experts of
-    fp8a2a.megatron.fp8_experts_spec) get them (`deliver_fp8`), Megatron's own experts get
-    dequantized rows; a run that gives no granularity gets options.default_granularity's."""
+    The MoELayer hook of fp8a2a.megatron.register() calls set_experts, then set_router. set_experts
+    resolves the options once (fp8a2a.megatron.options.resolve: a run that gives no granularity
+    gets its experts' default) and builds the Dispatcher: experts that consume QuantizedTensor rows
+    (the FP8 experts of fp8a2a.megatron.fp8_experts_spec) get them (`deliver_fp8`), Megatron's own
+    experts get dequantized rows. set_router leaves the capacity to the Dispatcher (module
+    docstring, Capacity)."""
 
     def __init__(self, num_local_experts: int, local_expert_indices, config, pg_collection=None):
         if pg_collection is None:
@@ -179,23 +186,11 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             raise ValueError(f"fp8a2a: expected the contiguous local experts of EP rank {self.ep_rank}, got "
                              f"{self.local_expert_indices}")
 
-        self.options = resolve(config)
-        granularity = default_granularity(config, fp8_experts=False)  # set_experts revisits it
-        if granularity is not None:
-            self.options = replace(self.options, granularity=granularity)
-        self._megatron_config = config
-        factor = getattr(config, "moe_expert_capacity_factor", None)
-        pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
-        mode = self.options.capacity_mode
-        if mode == "static" and factor is None:
-            raise ValueError("fp8a2a: --fp8a2a-capacity-mode static needs --moe-expert-capacity-factor")
-        # Megatron's router applies the capacity (moe_expert_capacity_factor) and, for drop-and-pad,
-        # also marks padding slots in routing_map with probability 0. Those slots add exactly 0 to
-        # the output and to every gradient: they are never sent. In the capacity mode the
-        # Dispatcher pads every (source rank, local expert) to the same capacity itself.
-        self.capacity_factor = factor if (mode == "static" or (mode == "auto" and pad)) else None
-        check_cuda_graphs(config, self.capacity_factor is not None)
-        self.strip_capacity_padding = pad
+        # resolved once, when the experts are known (set_experts)
+        self.options: Optional[Options] = None
+        self.capacity_factor = None  # the Dispatcher's capacity mode: options.dispatcher.capacity_factor
+        self.router_applies_capacity = False  # Megatron's router drops (module docstring, Capacity)
+        self.strip_capacity_padding = False  # ... and adds padding slots (probability 0), never sent
         self.pad_multiple = 0  # moe_router_padding_for_quantization: rows per local expert rounded up to this
         if getattr(config, "moe_router_padding_for_quantization", False):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
@@ -211,7 +206,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
                 raise ValueError(f"fp8a2a: unexpected TP x EP group layout (rank {got}, expected ep_rank * tp_size "
                                  f"+ tp_rank = {want})")
         self._group = group
-        self._dispatcher = None  # built on first use: Dispatcher() runs one collective (its options' agreement)
+        self._dispatcher = None  # built by set_experts: Dispatcher() runs one collective (its options' agreement)
         self.deliver_fp8 = False
         self.shared_experts = None
 
@@ -227,24 +222,44 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
 
     @property
     def dispatcher(self) -> Dispatcher:
-        """The fp8a2a.Dispatcher, built once, with the options as they stand then."""
+        """The fp8a2a.Dispatcher (built by set_experts)."""
         if self._dispatcher is None:
-            config = self.options.dispatcher_config(bf16_below_bytes=int(self.options.bf16_below_bytes),
-                                                    expert_tp_size=self.tp_size, capacity_factor=self.capacity_factor)
-            self._dispatcher = Dispatcher(self.num_experts, group=self._group, config=config)
+            self.set_experts(None)
         return self._dispatcher
 
     def set_experts(self, experts):
-        """Called once the MoELayer has built its experts, before the Dispatcher is built (once, on
-        every rank): FP8 rows go to experts that take them (fp8a2a_accepts_quantized), and a run
-        that gave no granularity gets the experts' default."""
-        if self._dispatcher is not None:
-            raise RuntimeError("fp8a2a: set_experts after the Dispatcher was built")
-        self.deliver_fp8 = bool(getattr(experts, "fp8a2a_accepts_quantized", False))
-        granularity = default_granularity(self._megatron_config, fp8_experts=self.deliver_fp8)
-        if granularity is not None:
-            self.options = replace(self.options, granularity=granularity)
-        return self.dispatcher
+        """Called once the MoELayer has built its experts (once, on every rank): resolves the options,
+        checks the CUDA-graph settings against them and builds the Dispatcher (one collective).
+        FP8 rows go to experts that take them (fp8a2a_accepts_quantized)."""
+        if self.options is not None:
+            raise RuntimeError("fp8a2a: set_experts called twice")
+        config = self.config
+        fp8_experts = bool(getattr(experts, "fp8a2a_accepts_quantized", False))
+        options = resolve(config, fp8_experts=fp8_experts)
+        factor = options.dispatcher.capacity_factor
+        check_cuda_graphs(config, factor is not None)
+        # who applies Megatron's capacity factor, if any (module docstring, Capacity)
+        router_applies = getattr(config, "moe_expert_capacity_factor", None) is not None and (
+            factor is None or getattr(config, "moe_token_drop_policy", "probs") != "probs"
+            or bool(getattr(config, "moe_router_enable_expert_bias", False)))
+        pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+        self.options = replace(options, dispatcher=replace(options.dispatcher, expert_tp_size=self.tp_size))
+        self.deliver_fp8, self.capacity_factor = fp8_experts, factor
+        self.router_applies_capacity, self.strip_capacity_padding = router_applies, router_applies and pad
+        self._dispatcher = Dispatcher(self.num_experts, group=self._group, config=self.options.dispatcher)
+        return self._dispatcher
+
+    def set_router(self, router):
+        """Called after set_experts: unless the router keeps applying the capacity
+        (router_applies_capacity), it gets a copy of its config without moe_expert_capacity_factor, so
+        that the capacity is applied once, by the Dispatcher (module docstring, Capacity)."""
+        if self.options is None:
+            raise RuntimeError("fp8a2a: set_router before set_experts")
+        config = router.config
+        if self.router_applies_capacity or getattr(config, "moe_expert_capacity_factor", None) is None:
+            return
+        router.config = copy.copy(config)
+        router.config.moe_expert_capacity_factor = None
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -259,6 +274,8 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         assert probs.dim() == 2 and routing_map.dim() == 2, "Expected 2D probs and routing_map"
         assert routing_map.dtype == torch.bool, "Expected a bool routing_map"
+        if self.options is None:
+            self.set_experts(None)  # built outside MoELayer's hook: Megatron's experts
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         if self.strip_capacity_padding:

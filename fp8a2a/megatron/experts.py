@@ -75,7 +75,7 @@ class _FP8ExpertsMixin:
         # Compute only: its own parameters live on the meta device and are replaced per call by
         # expert_weights stand-ins of Megatron's weights (torch.func.functional_call). Kept out of
         # the module tree, so parameters, state_dict and checkpoints are exactly Megatron's.
-        opts = resolve(config)
+        opts = resolve(config).experts
         self.__dict__["_fp8a2a_impl"] = FP8GroupedMLP(self.num_local_experts, hidden, ffn, act, device="meta",
                                                       fp8_dgrad=opts.fp8_dgrad, fp8_wgrad=opts.fp8_wgrad)
 

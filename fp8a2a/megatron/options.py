@@ -1,23 +1,24 @@
 """Options of the fp8_alltoall dispatcher and where they come from (no megatron import here).
 
-Each option is looked up, first match wins:
+Each option (the names in NAMES) is looked up, first match wins:
   1. an attribute `fp8a2a_<name>` on the TransformerConfig (set it in programs that build their own
      config, e.g. `config.fp8a2a_granularity = "block128"`),
   2. the same attribute on megatron.training's global args, when that module is in use and the
      flag was given (--fp8a2a-granularity ...; the parser defaults are None = not given),
   3. the defaults given to fp8a2a.megatron.register(...),
-  4. the built-in defaults (DispatcherConfig's, and capacity_mode "auto"); a granularity given
-     nowhere follows the TE recipe (default_granularity).
-The options are the names in NAMES: DispatcherConfig's wire options, capacity_mode and the FP8
-experts' fp8_dgrad / fp8_wgrad (FP8GroupedMLP's, for fp8_experts_spec). The dispatcher's other
-fields (expert_tp_size, capacity_factor) come from the TransformerConfig's own settings
-(Options.dispatcher_config).
+  4. the built-in defaults (DispatcherConfig's, ExpertOptions', capacity_mode "auto"); a granularity
+     given nowhere follows the TE recipe (RECIPE_GRANULARITY).
+resolve(config, fp8_experts) applies this once per layer and returns Options: the Dispatcher's
+DispatcherConfig (the wire options, and the capacity factor that Megatron's capacity settings and
+capacity_mode give it), the FP8 experts' ExpertOptions and the capacity mode. expert_tp_size is
+not an option: it is the size of the layer's expert-TP group (the token dispatcher sets it).
 """
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields
+from typing import Optional
 
+from .. import DispatcherConfig
 from ..wire import QUANTIZED
-from ..dispatcher import DispatcherConfig
 
 FP8_ALLTOALL = "fp8_alltoall"
 GRANULARITIES = tuple(g.label for g in QUANTIZED)
@@ -30,34 +31,6 @@ GRANULARITIES = tuple(g.label for g in QUANTIZED)
 #             outputs and gradients, fewer rows, the one host sync of the default mode)
 CAPACITY_MODES = ("auto", "static", "variable")
 
-
-@dataclass(frozen=True)
-class Options(DispatcherConfig):
-    """A DispatcherConfig with the Megatron-only capacity_mode and the FP8 experts' fp8_dgrad /
-    fp8_wgrad (see fp8a2a.FP8GroupedMLP; default BF16 gradients); validated on construction."""
-    capacity_mode: str = "auto"
-    fp8_dgrad: bool = False
-    fp8_wgrad: bool = False
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.capacity_mode not in CAPACITY_MODES:
-            raise ValueError(f"fp8a2a: capacity mode must be one of {CAPACITY_MODES}, got {self.capacity_mode!r}")
-
-    def validate(self) -> "Options":
-        return self  # checked on construction; kept for callers
-
-    def dispatcher_config(self, **derived) -> DispatcherConfig:
-        """The DispatcherConfig of these options, with `derived` (fields Megatron's config decides)."""
-        return DispatcherConfig(**{**{f.name: getattr(self, f.name) for f in fields(DispatcherConfig)}, **derived})
-
-
-# What a run sets (config.fp8a2a_<name>, --fp8a2a-<name>, register(<name>=...)).
-NAMES = ("granularity", "capacity_mode", "fp8_combine", "fp8_dispatch_backward", "bf16_below_bytes", "fp8_dgrad",
-         "fp8_wgrad")
-_registered = Options()
-_registered_names = set()  # the options register() set (a default counts as given once set)
-
 # The wire granularity under a TE FP8 recipe when the run gives none and Megatron's experts run
 # the GEMMs. TE's GroupedLinear takes no FP8 input (README), so the rows are dequantized and TE
 # quantizes them again whatever the wire carries: the blockwise recipe gets its own quantizer's
@@ -68,21 +41,53 @@ _registered_names = set()  # the options register() set (a default counts as giv
 RECIPE_GRANULARITY = {"blockwise": "block128"}
 
 
-def set_defaults(**kwargs) -> Options:
-    """Process-wide defaults (what register(**kwargs) sets)."""
-    global _registered
+@dataclass(frozen=True)
+class ExpertOptions:
+    """The FP8 experts' options (fp8a2a.FP8GroupedMLP's; default BF16 gradients)."""
+    fp8_dgrad: bool = False
+    fp8_wgrad: bool = False
+
+
+@dataclass(frozen=True)
+class Options:
+    """One layer's options, resolved once (resolve); validated on construction."""
+    dispatcher: DispatcherConfig = field(default_factory=DispatcherConfig)
+    experts: ExpertOptions = field(default_factory=ExpertOptions)
+    capacity_mode: str = "auto"
+
+    def __post_init__(self):
+        if self.capacity_mode not in CAPACITY_MODES:
+            raise ValueError(f"fp8a2a: capacity mode must be one of {CAPACITY_MODES}, got {self.capacity_mode!r}")
+
+
+# What a run sets (config.fp8a2a_<name>, --fp8a2a-<name>, register(<name>=...)), by where it goes.
+WIRE_NAMES = ("granularity", "fp8_combine", "fp8_dispatch_backward", "bf16_below_bytes")
+EXPERT_NAMES = tuple(f.name for f in fields(ExpertOptions))
+NAMES = WIRE_NAMES + ("capacity_mode",) + EXPERT_NAMES
+_registered = {}  # the defaults register() set
+
+
+def _options(values: dict, capacity_factor: Optional[float] = None) -> Options:
+    """Options of {name: value} (names from NAMES; the rest built-in)."""
+    wire = {n: values[n] for n in WIRE_NAMES if n in values}
+    if "bf16_below_bytes" in wire:
+        wire["bf16_below_bytes"] = int(wire["bf16_below_bytes"])
+    return Options(DispatcherConfig(**wire, capacity_factor=capacity_factor),
+                   ExpertOptions(**{n: values[n] for n in EXPERT_NAMES if n in values}),
+                   values.get("capacity_mode", "auto"))
+
+
+def set_defaults(**kwargs):
+    """Process-wide defaults (what register(**kwargs) sets), checked before they are kept."""
     unknown = set(kwargs) - set(NAMES)
     if unknown:
         raise TypeError(f"fp8a2a: unknown option(s) {sorted(unknown)}; known: {list(NAMES)}")
-    _registered = replace(_registered, **kwargs)
-    _registered_names.update(kwargs)
-    return _registered
+    _options({**_registered, **kwargs})
+    _registered.update(kwargs)
 
 
 def reset_defaults():
-    global _registered
-    _registered = Options()
-    _registered_names.clear()
+    _registered.clear()
 
 
 def _training_args():
@@ -90,9 +95,9 @@ def _training_args():
     return getattr(gv, "_GLOBAL_ARGS", None) if gv is not None else None
 
 
-def _given(config):
-    """{name: value} of the options the config or the training flags set."""
-    args, values = _training_args(), {}
+def _given(config) -> dict:
+    """{name: value} of the options the config, the training flags or register() set."""
+    args, values = _training_args(), dict(_registered)
     for name in NAMES:
         for source in (config, args):
             value = getattr(source, "fp8a2a_" + name, None) if source is not None else None
@@ -102,14 +107,8 @@ def _given(config):
     return values
 
 
-def resolve(config=None) -> Options:
-    return replace(_registered, **_given(config))
-
-
-def default_granularity(config, fp8_experts: bool):
-    """The granularity a run that gave none gets (RECIPE_GRANULARITY), or None when it gave one."""
-    if "granularity" in _given(config) or "granularity" in _registered_names:
-        return None
+def _recipe_granularity(config, fp8_experts: bool) -> str:
+    """The granularity of a run that gave none (RECIPE_GRANULARITY)."""
     if fp8_experts or not getattr(config, "fp8", None):
         return "row"
     recipe = getattr(config, "fp8_recipe", None)
@@ -119,3 +118,20 @@ def default_granularity(config, fp8_experts: bool):
     if granularity == "block128" and width % 128:
         return "row"  # block128 needs a width % 128 == 0
     return granularity
+
+
+def _capacity_factor(config, mode: str) -> Optional[float]:
+    """The Dispatcher's capacity factor (its capacity mode) under Megatron's capacity settings, or None."""
+    factor = getattr(config, "moe_expert_capacity_factor", None)
+    pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
+    if mode == "static" and factor is None and config is not None:
+        raise ValueError("fp8a2a: --fp8a2a-capacity-mode static needs --moe-expert-capacity-factor")
+    return factor if (mode == "static" or (mode == "auto" and pad)) else None
+
+
+def resolve(config=None, fp8_experts: bool = False) -> Options:
+    """The options of a layer built from `config` (a TransformerConfig or Megatron's args; None: the
+    defaults alone) whose experts take FP8 rows or not (fp8_experts: the granularity default)."""
+    values = _given(config)
+    values.setdefault("granularity", _recipe_granularity(config, fp8_experts))
+    return _options(values, _capacity_factor(config, values.get("capacity_mode", "auto")))
