@@ -40,6 +40,9 @@ FP8A2A_HD float bits_f32(uint32_t u) {
 #endif
 }
 
+// e4m3's NaN as fp8a2a writes it (sign bit clear): what e4m3_from_f32 gives for every NaN.
+constexpr uint8_t kE4M3NaN = 0x7f;
+
 // fp32 -> e4m3fn, round-to-nearest-even, saturating to +-448, NaN -> 0x7f.
 // Same result as torch's own `.to(torch.float8_e4m3fn)` (which saturates in torch >= 2.13)
 // on every input, including the values that torch < 2.13 turned into NaN.
@@ -47,7 +50,7 @@ FP8A2A_HD uint8_t e4m3_from_f32(float f) {
   uint32_t bits = f32_bits(f);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   bits &= 0x7fffffffu;
-  if (bits > 0x7f800000u) return 0x7fu;                  // NaN (canonical, as torch's cast gives)
+  if (bits > 0x7f800000u) return kE4M3NaN;               // NaN (canonical, as torch's cast gives)
   if (bits >= 0x43e00000u) return sign | 0x7eu;          // >= 448 (inf too): saturate
   if (bits < (121u << 23)) {                             // below 2^-6: subnormal e4m3
     // Adding 2^-9 * 2^? aligns the mantissa so the FPU rounds to nearest even for us.
@@ -85,6 +88,11 @@ constexpr float kAmaxFloor = 0x1p-117f;  // ~6.0e-36
 FP8A2A_HD float floored_amax(float amax) { return amax < kAmaxFloor ? kAmaxFloor : amax; }  // NaN stays NaN
 FP8A2A_HD float quant_multiplier(float amax) { return amax == 0.0f ? 1.0f : kE4M3Max / floored_amax(amax); }
 FP8A2A_HD float dequant_scale(float amax) { return amax == 0.0f ? 1.0f : floored_amax(amax) / kE4M3Max; }
+
+// Tensor granularity: one scale for every row cannot mark one, and the cast saturates Inf to 448,
+// so a row holding NaN or Inf (an amax that is not finite) is written as kE4M3NaN throughout: it
+// dequantizes to NaN, as a row-scaled one does, never to finite wrong values.
+FP8A2A_HD bool amax_finite(float amax) { return amax <= 0x1.fffffep127f; }  // false for NaN and Inf
 
 FP8A2A_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 

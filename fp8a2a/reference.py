@@ -18,17 +18,20 @@ def quantize_reference(x: torch.Tensor, granularity: str = "row", scale: torch.T
                        amax: torch.Tensor | None = None):
     """(data e4m3, dequant scale) by the rule of csrc/fp8_common.h. Tensor granularity: from a
     given dequant `scale` the multiplier is 1 / scale; else from `amax` (default: x's own) by the
-    scale rule, 448 / amax, as row granularity's."""
+    scale rule, 448 / amax, as row granularity's; a row holding NaN or Inf is NaN throughout."""
     xf = x.float()
     t, h = xf.shape
     if granularity == "tensor":
         if scale is not None:
             scale = scale.reshape(()).float()
-            return (xf * _div(1.0, scale)).to(FP8), scale
-        if amax is None:
-            amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
-        q, scale = scale_rule(amax.reshape(()).float())
-        return (xf * q).to(FP8), scale
+            q = _div(1.0, scale)
+        else:
+            if amax is None:
+                amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
+            q, scale = scale_rule(amax.reshape(()).float())
+        data = (xf * q).to(FP8).view(torch.uint8)
+        nan_rows = ~torch.isfinite(xf).all(dim=1, keepdim=True)  # one scale cannot mark them: NaN bytes
+        return torch.where(nan_rows, torch.full_like(data, 0x7F), data).view(FP8), scale
     blocks = xf.view(t, h // 128, 128) if granularity == "block128" else xf.view(t, 1, h)
     amax = blocks.abs().amax(dim=-1)  # propagates NaN
     q, s = scale_rule(amax)

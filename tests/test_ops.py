@@ -48,8 +48,42 @@ def test_quantize_bit_exact(dtype, granularity):
 def test_cast_matches_torch_on_every_float_pattern():
     f = (torch.arange(0, 1 << 16, dtype=torch.int32) << 16).view(torch.float32)  # every bf16-exact value
     f = torch.cat([f, torch.randn(1 << 16) * torch.logspace(-12, 4, 1 << 16)])
-    data, _ = ops.quantize(f.view(1, -1), 2, torch.ones(()))
-    assert torch.equal(u8(data[0]), u8(f.to(torch.float8_e4m3fn)))
+    finite = f[torch.isfinite(f)]  # (a tensor-scaled row holding NaN or Inf is NaN throughout)
+    data, _ = ops.quantize(finite.view(1, -1), 2, torch.ones(()))
+    assert torch.equal(u8(data[0]), u8(finite.to(torch.float8_e4m3fn)))
+
+
+def _rows_with_nonfinite(dtype):
+    """Rows of magnitude up to ~40; rows 1, 3, 4 hold an Inf, a NaN, a -Inf (the rest finite)."""
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(3)) * 10
+    x[1, 7], x[3, 200], x[4, 0] = float("inf"), float("nan"), float("-inf")
+    return x.to(dtype), torch.tensor([False, True, False, True, True, False])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensor_scale_makes_a_nonfinite_row_nan_throughout(dtype):
+    """With a given tensor scale an Inf would saturate (a finite 448 * scale) and a NaN leave the
+    rest of its row finite: such a row is e4m3 NaN throughout, the other rows torch's cast."""
+    x, bad = _rows_with_nonfinite(dtype)
+    s = torch.tensor(0.05)
+    q = fp8a2a.quantize(x, "tensor", scale=s)
+    want = (x.float() * torch.div(torch.tensor(1.0), s)).to(torch.float8_e4m3fn)  # multiplier 1 / s
+    assert (q.data[bad].view(torch.uint8) == 0x7F).all()
+    assert torch.equal(u8(q.data[~bad]), u8(want[~bad])) and torch.isfinite(want[~bad].float()).all()
+    xh = fp8a2a.dequantize(q, torch.float32)
+    assert xh[bad].isnan().all() and torch.equal(xh[~bad], want[~bad].float() * s)
+    # dispatch_pack's tensor wire: a given [s] (multiplier 1 / s) and [s, q] from an amax of 40
+    idx, w = routing(6, 2, 4)  # every token routed: with one rank, send row j is token j
+    mult = torch.div(torch.tensor(448.0), torch.tensor(40.0))
+    for ts, qm in ((s.reshape(1), torch.div(torch.tensor(1.0), s)), (torch.stack([40.0 / mult, mult]), mult)):
+        send, counts, _ = ops.dispatch_pack(x, idx, w, 4, 1, 2, ts)
+        assert counts[0, CountsCol.ROWS] == 6
+        payload = send[:6, :256]
+        assert (payload[bad] == 0x7F).all()
+        assert torch.equal(payload[~bad], u8((x[~bad].float() * qm).to(torch.float8_e4m3fn)).view(torch.uint8))
+        data, sc, _, _, _, row_src = unpack_all(send, counts, 256, 2, 2)
+        xh = ops.dequantize(data, sc, torch.float32)
+        assert xh[bad[row_src.long()]].isnan().all() and torch.isfinite(xh[~bad[row_src.long()]]).all()
 
 
 def test_special_rows():

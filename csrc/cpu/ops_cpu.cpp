@@ -22,8 +22,10 @@ float amax_of(const T* p, int64_t n) {
 template <typename T>
 void quantize_row(const T* x, int64_t hidden, int64_t granularity, float tensor_q, float tensor_s, uint8_t* out,
                   float* scales) {
-  if (granularity == kTensor) {
-    for (int64_t h = 0; h < hidden; ++h) out[h] = e4m3_from_f32(static_cast<float>(x[h]) * tensor_q);
+  if (granularity == kTensor) {  // a row holding NaN or Inf: NaN throughout (amax_finite)
+    const bool finite = amax_finite(amax_of(x, hidden));
+    for (int64_t h = 0; h < hidden; ++h)
+      out[h] = finite ? e4m3_from_f32(static_cast<float>(x[h]) * tensor_q) : kE4M3NaN;
     scales[0] = tensor_s;
     return;
   }

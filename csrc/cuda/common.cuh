@@ -282,6 +282,12 @@ __device__ __forceinline__ uint4 quantize_unit(const uint32_t (&w)[Elem<T>::kWor
                     e4m3x4(f[12], f[13], f[14], f[15]));
 }
 
+// 16 e4m3 NaN bytes (kE4M3NaN): a unit of a tensor-scaled row that holds NaN or Inf
+__device__ __forceinline__ uint4 e4m3_nan_unit() {
+  constexpr uint32_t w = kE4M3NaN * 0x01010101u;
+  return make_uint4(w, w, w, w);
+}
+
 __device__ __forceinline__ uint4 quantize_f32x16(const float (&a)[16], float q) {
   float f[16];
 #pragma unroll

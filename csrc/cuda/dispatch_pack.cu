@@ -29,6 +29,19 @@ __device__ __forceinline__ float tensor_multiplier(const PackParams& p, float s)
   return p.tscale_q ? __ldg(p.tscale + 1) : 1.0f / s;
 }
 
+// How a row of amax m is quantized, row or tensor granularity: its quant multiplier, the scale its
+// wire row carries, and (tensor) whether it holds NaN or Inf, so is NaN throughout (amax_finite).
+struct RowQuant {
+  float q, scale;
+  bool nan_row;
+};
+
+__device__ __forceinline__ RowQuant row_quant(const PackParams& p, float m) {
+  if (p.wire.gran == kRow) return {quant_multiplier(m), scale_of(m), false};
+  const float s = __ldg(p.tscale);
+  return {tensor_multiplier(p, s), s, !amax_finite(m)};
+}
+
 struct RouteSmem {
   int* rank;   // [K] destination rank of slot k, -1 if not routed
   int* row;    // [K] send row if slot k is the first slot of its rank, else -1
@@ -266,28 +279,20 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
 
   // each branch has one __syncthreads(): the routing in shared memory is complete after it
   float q[UPT];
-  float row_scale = 0.0f;
-  if (p.wire.gran == kRow) {
-    const float m = amax_value(block_max_u32(units_amax_bits<T, UPT>(w, U), reinterpret_cast<uint32_t*>(s.red)));
-#pragma unroll
-    for (int j = 0; j < UPT; ++j) q[j] = quant_multiplier(m);
-    row_scale = scale_of(m);
-  } else {
-    if (p.wire.gran == kTensor) {
-      row_scale = __ldg(p.tscale);
-      const float tq = tensor_multiplier(p, row_scale);
-#pragma unroll
-      for (int j = 0; j < UPT; ++j) q[j] = tq;
-    } else {
-      block128_multipliers<T, UPT>(w, U, q, [&](int64_t b, float m) { s.amax[b] = m; });
-    }
+  RowQuant rq{0.0f, 0.0f, false};  // row, tensor
+  if (p.wire.gran == kBlock128) {
+    block128_multipliers<T, UPT>(w, U, q, [&](int64_t b, float m) { s.amax[b] = m; });
     __syncthreads();
+  } else {
+    rq = row_quant(p, amax_value(block_max_u32(units_amax_bits<T, UPT>(w, U), reinterpret_cast<uint32_t*>(s.red))));
+#pragma unroll
+    for (int j = 0; j < UPT; ++j) q[j] = rq.q;
   }
   uint4 out[UPT];
 #pragma unroll
   for (int j = 0; j < UPT; ++j) {
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (u < U) out[j] = quantize_unit<T>(w[j], q[j]);
+    if (u < U) out[j] = rq.nan_row ? e4m3_nan_unit() : quantize_unit<T>(w[j], q[j]);
   }
   write_send_pos(p, t, s);
 
@@ -303,7 +308,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) dispatch_pack_vec_kerne
       const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
       if (u < U) reinterpret_cast<uint4*>(dst)[u] = out[j];
     }
-    if (warp == n++ % nwarps) write_dispatch_tail(p, dst, s.rank[k], row_scale, s, threadIdx.x & 31, 32);
+    if (warp == n++ % nwarps) write_dispatch_tail(p, dst, s.rank[k], rq.scale, s, threadIdx.x & 31, 32);
   }
 }
 
@@ -325,21 +330,17 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
       m = warp_amax(m);
       if (lane == 0) s.amax[b] = m;
     }
-  } else if (p.wire.gran == kRow) {
+  } else {  // the row's amax: its scale (row), whether it is finite (tensor)
     for (int64_t h = threadIdx.x; h < H; h += blockDim.x) rm = amax_step(rm, Elem<T>::load1(xrow + h));
     rm = warp_amax(rm);
     if (lane == 0) s.red[warp] = rm;
   }
   __syncthreads();
-  float q = 0.0f, row_scale = 0.0f;
-  if (p.wire.gran == kTensor) {
-    row_scale = __ldg(p.tscale);
-    q = tensor_multiplier(p, row_scale);
-  } else if (p.wire.gran == kRow) {
+  RowQuant rq{0.0f, 0.0f, false};  // row, tensor
+  if (p.wire.gran != kBlock128) {
     rm = 0.0f;
     for (int i = 0; i < nwarps; ++i) rm = amax_step(rm, s.red[i]);
-    q = quant_multiplier(rm);
-    row_scale = scale_of(rm);
+    rq = row_quant(p, rm);
   }
   write_send_pos(p, t, s);
   for (int k = 0; k < p.K; ++k) {
@@ -348,10 +349,10 @@ __global__ void __launch_bounds__(256) dispatch_pack_scalar_kernel(PackParams p)
     const int r = s.rank[k];
     uint8_t* dst = p.send + static_cast<int64_t>(row) * p.wire.bytes;
     for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-      const float qh = p.wire.gran == kBlock128 ? quant_multiplier(s.amax[h / kBlock]) : q;
-      dst[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), qh));
+      const float qh = p.wire.gran == kBlock128 ? quant_multiplier(s.amax[h / kBlock]) : rq.q;
+      dst[h] = rq.nan_row ? kE4M3NaN : e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), qh));
     }
-    write_dispatch_tail(p, dst, r, row_scale, s, threadIdx.x, blockDim.x);
+    write_dispatch_tail(p, dst, r, rq.scale, s, threadIdx.x, blockDim.x);
   }
 }
 

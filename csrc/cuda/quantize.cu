@@ -84,11 +84,13 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) quantize_vec_kernel(Qua
   uint32_t w[UPT][Elem<T>::kWords];
   load_units<T, UPT>(reinterpret_cast<const T*>(p.x) + t * p.H, U, w);
   float q[UPT];
+  bool nan_row = false;  // tensor: the row holds NaN or Inf (amax_finite)
   if (p.gran == kTensor) {
     float s;
     tensor_qs(p, s_red, q[0], s);
 #pragma unroll
     for (int j = 1; j < UPT; ++j) q[j] = q[0];
+    nan_row = !amax_finite(amax_value(block_max_u32(units_amax_bits<T, UPT>(w, U), s_redu)));
   } else if (p.gran == kBlock128) {
     float* scales = p.scales + t * (p.H / kBlock);
     block128_multipliers<T, UPT>(w, U, q, [&](int64_t b, float m) { scales[b] = scale_of(m); });
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(UPT == 1 ? 512 : 1024) quantize_vec_kernel(Qua
 #pragma unroll
   for (int j = 0; j < UPT; ++j) {
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-    if (u < U) reinterpret_cast<uint4*>(out)[u] = quantize_unit<T>(w[j], q[j]);
+    if (u < U) reinterpret_cast<uint4*>(out)[u] = nan_row ? e4m3_nan_unit() : quantize_unit<T>(w[j], q[j]);
   }
 }
 
@@ -115,12 +117,6 @@ __global__ void quantize_scalar_kernel(QuantParams p) {
   const T* xrow = reinterpret_cast<const T*>(p.x) + t * H;
   uint8_t* out = p.data + t * H;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-  if (p.gran == kTensor) {
-    float q, s;
-    tensor_qs(p, s_red, q, s);
-    for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), q));
-    return;
-  }
   if (p.gran == kBlock128) {
     const int64_t nb = H / kBlock;
     for (int64_t b = warp; b < nb; b += nwarps) {
@@ -137,6 +133,9 @@ __global__ void quantize_scalar_kernel(QuantParams p) {
       out[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), quant_multiplier(s_amax[h / kBlock])));
     return;
   }
+  float q = 0.0f, s;
+  if (p.gran == kTensor) tensor_qs(p, s_red, q, s);  // first: its reduction and the row's share s_red
+  // the row's amax: its scale (row), whether it is finite (tensor)
   float m = 0.0f;
   for (int64_t h = threadIdx.x; h < H; h += blockDim.x) m = amax_step(m, Elem<T>::load1(xrow + h));
   m = warp_amax(m);
@@ -144,9 +143,13 @@ __global__ void quantize_scalar_kernel(QuantParams p) {
   __syncthreads();
   m = 0.0f;
   for (int i = 0; i < nwarps; ++i) m = amax_step(m, s_red[i]);
-  const float q = quant_multiplier(m);
-  if (threadIdx.x == 0) p.scales[t] = scale_of(m);
-  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) out[h] = e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), q));
+  const bool nan_row = p.gran == kTensor && !amax_finite(m);
+  if (p.gran == kRow) {
+    q = quant_multiplier(m);
+    if (threadIdx.x == 0) p.scales[t] = scale_of(m);
+  }
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x)
+    out[h] = nan_row ? kE4M3NaN : e4m3_1(__fmul_rn(Elem<T>::load1(xrow + h), q));
 }
 
 // =============================================================================================

@@ -299,6 +299,51 @@ def dispatch_case(g, t, h, k, r, e, dtype, gran, idx_dtype=torch.int64, bad=Fals
 
 
 
+# A given tensor scale and rows holding NaN or Inf: (dtype, hidden, misaligned x) for the vector
+# kernels (one unit per thread, two), the scalar ones by H and by address
+TENSOR_NONFINITE_CASES = [(dtype, h, mis) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+                          for h, mis in ((2048, False), (17408, False), (200, False), (2048, True))]
+
+
+def tensor_nonfinite_name(dtype, h, mis):
+    return f"tensor-scale nonfinite {_dtype_name(dtype)} H={h}" + (" misaligned" if mis else "")
+
+
+def _nan_payload(rows, hidden, name):
+    """Every payload byte of these rows is kE4M3NaN (0x7f exactly: written, not cast)."""
+    exact(rows[:, :hidden], torch.full((rows.shape[0], hidden), 0x7F, dtype=torch.uint8), name)
+
+
+def tensor_nonfinite_case(g, dtype, h, mis):
+    """quantize and dispatch_pack with a given tensor scale ([s]; dispatch also [s, q]) on rows that
+    hold NaN or Inf: each such row is e4m3 NaN throughout on both devices, the others finite bytes.
+    dispatch_pack with 40 tokens (self-routed pack blocks) and 600 (layout kernels)."""
+    x = make_x(600, h, dtype, g)  # rows 2 (a NaN), 3 (a -inf), 4 (all inf)
+    x[9, h - 1], x[500, 0] = float("inf"), float("nan")  # one in the row's last unit, one in its first
+    bad = ~torch.isfinite(x.float()).all(1)
+    assert bad.nonzero().flatten().tolist() == [2, 3, 4, 9, 500]
+    xc = misaligned(dev(x)) if mis else dev(x)
+    s = torch.tensor(0.02)
+    d_cpu, _ = ops.quantize(x, 2, s)
+    d_gpu, _ = no_sync(ops.quantize, xc, 2, dev(s))
+    fp8_equal(d_cpu, d_gpu, "quantize data")
+    u = d_gpu.cpu().view(torch.uint8)
+    _nan_payload(u[bad], h, "quantize: NaN rows")
+    if (u[~bad] == 0x7F).all(1).any():
+        raise Mismatch("quantize: a finite row came out all NaN")
+    idx, w = make_routing(600, 8, 64, g)
+    for ts in (torch.tensor([0.02]), torch.stack(scale_rule(torch.tensor(300.0))[::-1])):
+        for n in (40, 600):
+            out_cpu, out_gpu = _pack_both(x[:n], idx[:n], w[:n], 64, 4, 2, ts, 0, mis)
+            _compare_pack(out_cpu, out_gpu, h, 2, 8, 4, 0, False)
+            send, _, send_pos = (o.cpu() for o in out_gpu)
+            rows = send_pos[bad[:n]]
+            rows = rows[rows >= 0].long()
+            if rows.numel() == 0:
+                raise Mismatch("no row of a non-finite token was sent")
+            _nan_payload(send[rows], h, f"dispatch_pack n={n}: NaN rows")
+
+
 DISPATCH_CASES = [
     # (t, h, k, r, e, dtype, gran, extra)
     (0, 7168, 8, 8, 256, torch.bfloat16, 0, {}),

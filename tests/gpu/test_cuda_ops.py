@@ -12,10 +12,11 @@ import torch
 from fp8a2a import ops
 
 from .cuda_cases import (CAPACITY_DROP_CASES, COMBINE_CASES, COMBINE_DTYPE_CASES, COMBINE_MODES, DEVICE,
-                         DISPATCH_CASES, HEADER, RAW, ROWS, any_equal, capacity_drop_inputs, capacity_drop_name,
-                         case_id, combine_dtype_name, combine_name, compare_combine_rows, dev, dispatch_case,
-                         dispatch_layout, dispatch_name, exact, float_equal, fp8_equal, make_routing, make_x,
-                         misaligned, no_sync, quantize_cases, quantize_name, seeded)
+                         DISPATCH_CASES, HEADER, RAW, ROWS, TENSOR_NONFINITE_CASES, any_equal, capacity_drop_inputs,
+                         capacity_drop_name, case_id, combine_dtype_name, combine_name, compare_combine_rows, dev,
+                         dispatch_case, dispatch_layout, dispatch_name, exact, float_equal, fp8_equal, make_routing,
+                         make_x, misaligned, no_sync, quantize_cases, quantize_name, seeded, tensor_nonfinite_case,
+                         tensor_nonfinite_name)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,16 +49,23 @@ def test_quantize_every_float_pattern():
     g = seeded("quantize every float pattern")
     f = (torch.arange(0, 1 << 16, dtype=torch.int32) << 16).view(torch.float32)
     f = torch.cat([f, torch.randn(1 << 16, generator=g) * torch.logspace(-12, 4, 1 << 16)])
+    finite = torch.where(torch.isfinite(f), f, 0.0)  # a tensor-scaled row holding NaN or Inf is NaN throughout
     for rows in (2, 16):  # H = 65536 (scalar kernel), 8192 (vector kernel)
         fr = f.view(rows, -1)
         for s in (torch.tensor(1.0), torch.tensor(1.0 / 3)):
-            d_cpu, _ = ops.quantize(fr, 2, s)
-            d_gpu, _ = no_sync(ops.quantize, dev(fr), 2, dev(s))
+            d_cpu, _ = ops.quantize(finite.view(rows, -1), 2, s)
+            d_gpu, _ = no_sync(ops.quantize, dev(finite.view(rows, -1)), 2, dev(s))
             fp8_equal(d_cpu, d_gpu, "data")
         d_cpu, s_cpu = ops.quantize(fr, 0, None)
         d_gpu, s_gpu = ops.quantize(dev(fr), 0, None)
         fp8_equal(d_cpu, d_gpu, "row data")
         float_equal(s_cpu, s_gpu, "row scale")
+
+
+@pytest.mark.parametrize("dtype,h,mis", TENSOR_NONFINITE_CASES,
+                         ids=[case_id(tensor_nonfinite_name(*c)) for c in TENSOR_NONFINITE_CASES])
+def test_tensor_scale_nonfinite_rows_are_nan(dtype, h, mis):
+    tensor_nonfinite_case(seeded(tensor_nonfinite_name(dtype, h, mis)), dtype, h, mis)
 
 
 # ---- dispatch_pack / dispatch_unpack -------------------------------------------------------------
