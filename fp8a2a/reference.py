@@ -5,8 +5,7 @@ write it: amax, div, cast, index_select / scatter). Never on the fast path."""
 import torch
 
 from .quant import scale_rule
-
-FP8 = torch.float8_e4m3fn
+from .wire import BLOCK, FP8
 
 
 def _div(a, b):
@@ -29,7 +28,7 @@ def quantize_reference(x: torch.Tensor, granularity: str = "row", scale: torch.T
             amax = xf.abs().amax() if xf.numel() else torch.zeros((), device=x.device)
         q, scale = scale_rule(amax.reshape(()).float())
         return (xf * q).to(FP8), scale
-    blocks = xf.view(t, h // 128, 128) if granularity == "block128" else xf.view(t, 1, h)
+    blocks = xf.view(t, h // BLOCK, BLOCK) if granularity == "block128" else xf.view(t, 1, h)
     amax = blocks.abs().amax(dim=-1)  # propagates NaN
     q, s = scale_rule(amax)
     data = (blocks * q.unsqueeze(-1)).to(FP8).view(t, h)
@@ -40,7 +39,7 @@ def dequantize_reference(data, scale, dtype=torch.float32):
     t, h = data.shape
     df = data.float()
     if scale.dim() == 2:
-        df = (df.view(t, -1, 128) * scale.unsqueeze(-1)).view(t, h)
+        df = (df.view(t, -1, BLOCK) * scale.unsqueeze(-1)).view(t, h)
     else:
         df = df * (scale.unsqueeze(-1) if scale.dim() == 1 else scale)
     return df.to(dtype)
