@@ -35,8 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import fp8a2a  # noqa: E402
 import fp8a2a.megatron as fm  # noqa: E402
-from fp8a2a.experts import _dense_weight, fp8_weight  # noqa: E402
 from fp8a2a.megatron.testing import build_layer, fp8_context, with_portable_router, world_of_one  # noqa: E402
+from fp8a2a.weight_cache import dense_weight, fp8_weight  # noqa: E402
 
 BASELINE = "alltoall + TE FP8 blockwise"
 TARGET = 1.15  # fp8_experts_spec / FP8GroupedMLP at 256 experts
@@ -115,7 +115,7 @@ def layer_variant(name, layer, cfg, x, gy):
             with torch.no_grad():
                 for w in layer.experts._fp8_weights():  # as a training forward builds them
                     fp8_weight(w, with_transposed=impl.fp8_dgrad)
-                    fp8_weight(w, transposed=True) if impl.fp8_dgrad else _dense_weight(w)
+                    fp8_weight(w, transposed=True) if impl.fp8_dgrad else dense_weight(w)
     return Variant(name, step, refresh, cfg, first_step)
 
 
