@@ -28,16 +28,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from fp8a2a import ops  # noqa: E402
-from fp8a2a.bench import costs  # noqa: E402
-from fp8a2a.bench.report import percentile  # noqa: E402
-from fp8a2a.reference import dequantize_reference, quantize_reference  # noqa: E402
-from fp8a2a.weight_cache import fp8_weight, invalidate_fp8_weight_cache  # noqa: E402
-from fp8a2a.wire import BLOCK, CountsCol, Granularity  # noqa: E402
+from fp8a2a import ops
+from fp8a2a.bench import percentile, profile_call
+from fp8a2a.reference import dequantize_reference, quantize_reference
+from fp8a2a.weight_cache import fp8_weight, invalidate_fp8_weight_cache
+from fp8a2a.wire import BLOCK, CountsCol, Granularity
 
 TARGET_PACK_FRAC = 0.9
 TARGET_HOST_US = 15.0
@@ -268,7 +265,7 @@ def run(args):
     if cuda:  # which kernel of an op takes its time; after every timing (a profiler can slow what follows)
         for (name, _, fn, _), rec in zip(case.table(), result["ops"]):
             try:
-                counted = costs.profile_call(fn, device)
+                counted = profile_call(fn, device)
                 if counted is not None:
                     rec["kernel_us"] = counted["busy_us_by_op"]
             except Exception as e:  # noqa: BLE001 - a profiler failure costs the split, not the row

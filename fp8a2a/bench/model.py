@@ -32,9 +32,9 @@ import torch
 
 from .. import ops
 from ..dispatcher import Dispatcher
-from ..timing import cuda_median_ms
 from ..wire import Granularity
 from .baseline import MegatronStyleAlltoAll, make_routing
+from .timing import cuda_median_ms
 
 EP_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 

@@ -34,7 +34,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore")]
 
 import fp8a2a.megatron as fm  # noqa: E402
-from fp8a2a.megatron.testing import build_layer, fp8_context, world_of_one  # noqa: E402
+from fp8a2a.megatron.standalone import build_layer, fp8_context, world_of_one  # noqa: E402
 
 RAW = 1 << 40  # bf16_below_bytes that keeps every dispatch unquantized
 A = types.SimpleNamespace(tokens=4096, seq=1024, hidden=1024, ffn=1024, experts=16, topk=4)
