@@ -15,7 +15,7 @@ fp8a2a's is inside its dispatch. No expert compute on either side (a fixed tenso
 dispatched rows' shape goes to combine). Ratios: fp8a2a / Megatron, per run, eager vs eager and
 graph vs graph.
 
-Timing: see costs.TIMING (device time of calls launched back to back, not wall time from an idle
+Timing: see fp8a2a.bench.TIMING (device time of calls launched back to back, not wall time from an idle
 GPU). --repeat N runs the whole measurement N times in one process, the variants' order rotating
 from run to run; per run the median over --iters calls; every figure is the median [min-max] of
 the run medians. Host syncs, D2H copies, kernels and copies/memsets: fp8a2a.bench.costs, from
@@ -35,12 +35,10 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import fp8a2a  # noqa: E402
-from fp8a2a import ops  # noqa: E402
-from fp8a2a.bench import costs  # noqa: E402
-from fp8a2a.timing import capture_cuda_graph  # noqa: E402
-from fp8a2a.wire import CountsCol, Granularity  # noqa: E402
+import fp8a2a
+from fp8a2a import ops
+from fp8a2a.bench import TIMING, capture_cuda_graph, host_reference_us, profile_call, spread, time_calls
+from fp8a2a.wire import CountsCol, Granularity
 
 EMULATION = (
     "EP=n rows emulate one rank of an EP=n run at world size 1, its expert side: with balanced routing "
@@ -111,7 +109,7 @@ class Variant:
         if self.unavailable:
             out["unavailable"] = self.unavailable
         if self.device_ms:
-            out.update(device_ms=costs.spread(self.device_ms), host_ms=costs.spread(self.host_ms),
+            out.update(device_ms=spread(self.device_ms), host_ms=spread(self.host_ms),
                        costs=self.costs, peak_mib=self.peak_mib)
         return out
 
@@ -259,7 +257,7 @@ def characterize(variants, cuda):
         if v.fn is None:
             continue
         try:
-            v.costs = costs.profile_call(v.fn)
+            v.costs = profile_call(v.fn)
             v.peak_mib = None if v.graph else peak_mib(v.fn, cuda)
         except Exception as e:  # noqa: BLE001 - a missing count must not stop the benchmark
             v.costs = dict(v.costs or {}, error=_reason(e))
@@ -272,7 +270,7 @@ def measure(points, repeat, iters, warmup, cuda):
             shift = r % max(1, len(live))
             for v in live[shift:] + live[:shift]:
                 try:
-                    dev, host = costs.time_calls(v.fn, iters, warmup, cuda)
+                    dev, host = time_calls(v.fn, iters, warmup, cuda)
                 except Exception as e:  # noqa: BLE001
                     v.unavailable, v.fn = f"failed in run {r + 1}: {_reason(e)}", None
                     continue
@@ -285,7 +283,7 @@ def ratios(variants, runs):
     for num, den in RATIOS:
         a, b = variants[num].device_ms, variants[den].device_ms
         if len(a) == len(b) == runs and runs:
-            out[f"{num}/{den}"] = costs.spread([x / y for x, y in zip(a, b)])
+            out[f"{num}/{den}"] = spread([x / y for x, y in zip(a, b)])
     return out
 
 
@@ -304,7 +302,7 @@ def format_report(doc):
                           if doc.get("grad") else ""),
              f"peers: megatron-core {doc['megatron_core']}, TransformerEngine {doc['transformer_engine']}",
              "host speed: " + (", ".join(f"{u:.2f}" for u in doc.get("host_reference_us") or []) or "-")
-             + " us per one-element in-place add (costs.host_reference_us; one figure per process): the "
+             + " us per one-element in-place add (fp8a2a.bench.host_reference_us; one figure per process): the "
              "host-bound rows scale with it between machines",
              f"emulation: {EMULATION}", ""]
     head = (f"{'variant':<20}{'device ms':>26}{'host ms':>26}{'busy ms':>8}{'kernels':>8}{'copies':>7}{'syncs':>6}"
@@ -385,7 +383,7 @@ def main():
     t0 = time.time()
     wanted = set(args.variants.split(",")) if args.variants else None
     built = [build_point(p, cuda, megatron, wanted, grad=args.grad) for p in points]
-    host_ref = costs.host_reference_us(torch.device("cuda") if cuda else torch.device("cpu"))
+    host_ref = host_reference_us(torch.device("cuda") if cuda else torch.device("cpu"))
     measure(built, args.repeat, args.iters, args.warmup, cuda)
     for _, variants in built:  # after the timing: a profiler that stays attached must not slow it
         characterize(variants, cuda)
@@ -393,7 +391,7 @@ def main():
            "functional_only": args.cpu, "device": torch.cuda.get_device_name() if cuda else "CPU",
            "torch": torch.__version__, "megatron_core": getattr(megatron, "version", megatron),
            "transformer_engine": getattr(megatron, "te", None) or getattr(megatron, "te_error", None) or "-",
-           "timing": costs.TIMING if cuda else "functional (CPU): wall time per call, calls back to back",
+           "timing": TIMING if cuda else "functional (CPU): wall time per call, calls back to back",
            "repeat": args.repeat, "iters": args.iters, "warmup": args.warmup, "grad": args.grad,
            "host_reference_us": [host_ref],
            "capacity_factor": CAPACITY_FACTOR, "emulation": EMULATION,
@@ -438,7 +436,7 @@ def merge_runs(paths):
             a, b = (p["variants"].get(n, {}).get("device_ms", {}).get("median") for n in (num, den))
             apart = source.get((p["name"], num)) != source.get((p["name"], den))
             if f"{num}/{den}" not in p["ratios"] and a and b and apart:
-                p["ratios"][f"{num}/{den} (medians of two processes)"] = costs.spread([a / b])
+                p["ratios"][f"{num}/{den} (medians of two processes)"] = spread([a / b])
     refs = [u for d in docs for u in d.get("host_reference_us") or []]
     return dict(docs[0], points=list(points.values()), seconds=sum(d["seconds"] for d in docs), merged=merged,
                 host_reference_us=refs,

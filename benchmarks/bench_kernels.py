@@ -28,18 +28,14 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
+from fp8a2a import ops
+from fp8a2a.bench import percentile, profile_call
+from fp8a2a.reference import dequantize_reference, quantize_reference
+from fp8a2a.weight_cache import fp8_weight, invalidate_fp8_weight_cache
+from fp8a2a.wire import BLOCK, CountsCol, Granularity
 
-from fp8a2a import ops  # noqa: E402
-from fp8a2a.bench import costs  # noqa: E402
-from fp8a2a.bench.report import percentile  # noqa: E402
-from fp8a2a.reference import dequantize_reference, quantize_reference  # noqa: E402
-from fp8a2a.weight_cache import fp8_weight, invalidate_fp8_weight_cache  # noqa: E402
-from fp8a2a.wire import CountsCol  # noqa: E402
-
-FP8 = torch.float8_e4m3fn
 TARGET_PACK_FRAC = 0.9
 TARGET_HOST_US = 15.0
 # The issue states the host target next to eager row quantization on its machine (126 us): the same
@@ -107,7 +103,7 @@ class Case:
         self.x = torch.randn(T, H, generator=g, device=device).to(torch.bfloat16)
         self.idx = torch.rand(T, E, generator=g, device=device).topk(K, dim=1).indices
         self.w = torch.rand(T, K, generator=g, device=device)
-        row = ops.GRANULARITY["row"]
+        row = int(Granularity.ROW)
         self.row_bytes = ops.dispatch_row_bytes(H, row, K)
         self.send, self.counts, self.send_pos = ops.dispatch_pack(self.x, self.idx, self.w, E, R, row, None)
         self.S = int(self.counts[:, CountsCol.ROWS].sum())
@@ -145,12 +141,12 @@ class Case:
     def table(self):
         T, H, K, E, R, S, N = self.T, self.H, self.K, self.E, self.R, self.S, self.N
         x, idx, w = self.x, self.idx, self.w
-        row, blk = ops.GRANULARITY["row"], ops.GRANULARITY["block128"]
+        row, blk = int(Granularity.ROW), int(Granularity.BLOCK128)
         routing = T * K * (idx.element_size() + 4)
         return [
             ("quantize_row", T * H * 2 + T * H + T * 4,
              lambda: ops.quantize(x, row, None), lambda: quantize_reference(x, "row")),
-            ("quantize_block128", T * H * 2 + T * H + T * (H // 128) * 4,
+            ("quantize_block128", T * H * 2 + T * H + T * (H // BLOCK) * 4,
              lambda: ops.quantize(x, blk, None), lambda: quantize_reference(x, "block128")),
             ("dispatch_pack", T * H * 2 + routing + S * self.row_bytes + T * R * 4,
              lambda: ops.dispatch_pack(x, idx, w, E, R, row, None), self._eager_pack),
@@ -269,7 +265,7 @@ def run(args):
     if cuda:  # which kernel of an op takes its time; after every timing (a profiler can slow what follows)
         for (name, _, fn, _), rec in zip(case.table(), result["ops"]):
             try:
-                counted = costs.profile_call(fn, device)
+                counted = profile_call(fn, device)
                 if counted is not None:
                     rec["kernel_us"] = counted["busy_us_by_op"]
             except Exception as e:  # noqa: BLE001 - a profiler failure costs the split, not the row

@@ -37,9 +37,8 @@ import warnings
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from fp8a2a import loopback  # noqa: E402
-from fp8a2a.bench import loopback as lb  # noqa: E402
+from fp8a2a import loopback
+from fp8a2a.bench import loopback as lb
 
 POINTS = [("deepseek-v3", 8), ("deepseek-v3", 32), ("deepseek-v3", 64), ("qwen3-235b", 8), ("qwen3-235b", 16),
           ("mixtral-8x7b", 8)]
@@ -181,7 +180,7 @@ def main():
     if cuda:
         torch.cuda.set_device(0)
     else:
-        from fp8a2a.megatron.testing import cpu_current_device
+        from fp8a2a.megatron.standalone import cpu_current_device
         cpu_current_device()
         args.no_megatron = True  # Megatron's alltoall dispatcher needs CUDA streams (tests/test_loopback.py shims them)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -23,20 +23,16 @@ timed apart and folded into the step at 1, 8 and 32 micro-batches per optimizer 
 functional only (tests/test_bench_megatron_layer.py runs it)."""
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import fp8a2a  # noqa: E402
-import fp8a2a.megatron as fm  # noqa: E402
-from fp8a2a.experts import _dense_weight, fp8_weight  # noqa: E402
-from fp8a2a.megatron.testing import build_layer, fp8_context, with_portable_router, world_of_one  # noqa: E402
+import fp8a2a
+import fp8a2a.megatron as fm
+from fp8a2a.megatron.standalone import build_layer, fp8_context, with_portable_router, world_of_one
+from fp8a2a.weight_cache import dense_weight, fp8_weight
 
 BASELINE = "alltoall + TE FP8 blockwise"
 TARGET = 1.15  # fp8_experts_spec / FP8GroupedMLP at 256 experts
@@ -115,7 +111,7 @@ def layer_variant(name, layer, cfg, x, gy):
             with torch.no_grad():
                 for w in layer.experts._fp8_weights():  # as a training forward builds them
                     fp8_weight(w, with_transposed=impl.fp8_dgrad)
-                    fp8_weight(w, transposed=True) if impl.fp8_dgrad else _dense_weight(w)
+                    fp8_weight(w, transposed=True) if impl.fp8_dgrad else dense_weight(w)
     return Variant(name, step, refresh, cfg, first_step)
 
 

@@ -8,7 +8,7 @@ shapes.
 
 BF16 paths: megatron-core's MoEAlltoAllTokenDispatcher + a BF16 grouped MLP on torch._grouped_mm
 (GPU with megatron-core importable), and always the plain-torch replica of that dispatcher
-(fp8a2a.bench.baseline.MegatronStyleAlltoAll) + the same grouped MLP. Router probs are applied inside the
+(fp8a2a.bench.MegatronStyleAlltoAll) + the same grouped MLP. Router probs are applied inside the
 MLP's activation on every path (Megatron's place); the weights are shared by all paths.
 Also: eager against CUDA-graph replay (the Dispatcher's capacity mode) at a small size.
 Target on one H200 at world size 1: fp8a2a >= 1.8x forward+backward at the DeepSeek shape
@@ -24,16 +24,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import fp8a2a  # noqa: E402
-from fp8a2a.bench.baseline import MegatronStyleAlltoAll, make_routing  # noqa: E402
-from fp8a2a.bench.report import percentile  # noqa: E402
-from fp8a2a.timing import capture_cuda_graph, cuda_median_ms  # noqa: E402
+import fp8a2a
+from fp8a2a.bench import MegatronStyleAlltoAll, capture_cuda_graph, cuda_median_ms, make_routing, percentile
 
 TARGET_SPEEDUP = 1.8
 # FP8GroupedMLP options timed next to the default "fp8" path: fp8_dgrad, and fp8_bwd (fp8_dgrad + fp8_wgrad)

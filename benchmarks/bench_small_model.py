@@ -116,7 +116,7 @@ def main(argv=None):
 
     import fp8a2a.megatron as fm
     from megatron.core import tensor_parallel
-    from fp8a2a.megatron.testing import world_of_one
+    from fp8a2a.megatron.standalone import world_of_one
     fm.register()
     teardown = world_of_one()
     tensor_parallel.model_parallel_cuda_manual_seed(123, use_cudagraphable_rng=True, force_reset_rng=True)

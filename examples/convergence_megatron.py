@@ -66,15 +66,12 @@ import warnings
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-
-import fp8a2a  # noqa: E402
-import fp8a2a.megatron as fm  # noqa: E402
-from fp8a2a.experts import invalidate_fp8_weight_cache  # noqa: E402
-from train_convergence import Batches, load_corpus, lr_at, read_csv, step_seconds, sync, write_csv  # noqa: E402
-from convergence_stats import ARMS, MIN_STEPS, gap, merge, pct, run_name  # noqa: E402
+import fp8a2a
+import fp8a2a.megatron as fm
+from fp8a2a import invalidate_fp8_weight_cache
+# the sibling examples (a script's own directory is on sys.path)
+from train_convergence import Batches, load_corpus, lr_at, read_csv, step_seconds, sync, write_csv
+from convergence_stats import ARMS, MIN_STEPS, gap, merge, pct, run_name
 
 DEFAULT_ARMS = "A,B,C,D,E,noise"
 
@@ -104,7 +101,7 @@ def build_model(cfg, arm, device):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer import TransformerConfig
-    from fp8a2a.megatron.testing import with_portable_router
+    from fp8a2a.megatron.standalone import with_portable_router
 
     name, dispatcher, opts, fp8_experts, _ = ARMS[arm]
     cpu = device.type == "cpu"
@@ -157,7 +154,6 @@ class Probe:
     routers' load: tokens per expert, summed on the device between evaluations (no sync)."""
 
     def __init__(self, model):
-        from fp8a2a.quant import QuantizedTensor
         self.dispatches = self.fp8_dispatches = 0
         self.experts_input, self.wire = set(), set()
         self.te_fp8 = None
@@ -171,7 +167,7 @@ class Probe:
                 def dispatch(*args, _orig=inner.dispatch, **kw):
                     out = _orig(*args, **kw)
                     self.dispatches += 1
-                    if isinstance(out.tokens, QuantizedTensor):
+                    if isinstance(out.tokens, fp8a2a.QuantizedTensor):
                         self.fp8_dispatches += 1
                         self.wire.add(str(out.tokens.granularity))
                     return out
@@ -556,7 +552,7 @@ def main(argv=None):
 def train_seed(a, arms, log):
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|moe_ffn_hidden_size).*")
     from megatron.core import __version__ as mcore_version
-    from fp8a2a.megatron.testing import world_of_one
+    from fp8a2a.megatron.standalone import world_of_one
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)

@@ -13,8 +13,8 @@ import math
 import os
 import statistics
 
-from train_convergence import read_csv, write_csv  # first: it puts the repository root on sys.path
 from fp8a2a.megatron import FP8_ALLTOALL  # a name only: importing it imports no Megatron
+from train_convergence import read_csv, write_csv  # a sibling example (this script's directory is on sys.path)
 
 # letter: (run name, dispatcher, fp8a2a options, fp8_experts_spec, data order)
 ARMS = {

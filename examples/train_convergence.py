@@ -38,10 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import fp8a2a  # noqa: E402
-from fp8a2a.dispatcher import Dispatcher  # noqa: E402
-from fp8a2a.experts import FP8GroupedMLP  # noqa: E402
+import fp8a2a
+from fp8a2a import Dispatcher, FP8GroupedMLP
 
 RUNS = {  # name -> (granularity, bf16_below_bytes, fp8 expert GEMMs, init-seed offset)
     "bf16": ("row", 1 << 62, False, 0),

@@ -21,16 +21,13 @@ import argparse
 import datetime
 import math
 import os
-import sys
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import fp8a2a.megatron as fm  # noqa: E402
+import fp8a2a.megatron as fm
 
 
 def parse_args(argv=None):
@@ -72,12 +69,9 @@ def init_distributed(device):
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    else:
-        from fp8a2a.bench.launch import free_port
-        port = free_port()
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    else:  # one process
+        from fp8a2a.megatron.standalone import single_process_group
+        single_process_group(backend, timeout=datetime.timedelta(minutes=10))
 
 
 def build_model(a):
@@ -85,7 +79,7 @@ def build_model(a):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
-    from fp8a2a.megatron.testing import cpu_current_device, with_portable_router
+    from fp8a2a.megatron.standalone import cpu_current_device, with_portable_router
 
     cpu = a.device == "cpu"
     if cpu:

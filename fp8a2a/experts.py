@@ -48,12 +48,12 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .kernels import quantize_rows, triton_kernels, triton_ok
 from .quant import QuantizedTensor, quantize, scale_rule
-from .weight_cache import (_dense_weight, _lazy, expert_weights,  # noqa: F401  (expert_weights,
-                           fp8_weight, invalidate_fp8_weight_cache)  # invalidate...: re-exported)
-from .wire import Granularity
+from .weight_cache import (dense_weight, expert_weights,  # noqa: F401  (expert_weights,
+                           fp8_weight, invalidate_fp8_weight_cache, is_stand_in)  # invalidate...: re-exported)
+from .wire import FP8
 
-FP8 = torch.float8_e4m3fn
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
@@ -84,20 +84,6 @@ class ExpertsConfig:
             raise ValueError(f"fp8a2a: tma_max_rows_per_expert must be >= 0, got {self.tma_max_rows_per_expert}")
 
 
-@functools.lru_cache(None)
-def _tk():
-    """fp8a2a.triton_kernels, or None where Triton is missing (CPU machines)."""
-    try:
-        from . import triton_kernels
-        return triton_kernels
-    except ImportError:
-        return None
-
-
-def _triton_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda and _tk() is not None
-
-
 def _check_backend(backend: str):
     if backend not in BACKENDS:
         raise ValueError(f"fp8a2a: backend must be one of {BACKENDS}, got {backend!r}")
@@ -112,10 +98,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             return "reference"
         if hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0):
             return "scaled_grouped_mm"
-        return "triton" if _tk() is not None else "reference"
+        return "triton" if triton_kernels() is not None else "reference"
     if backend != "reference" and not cuda:
         raise ValueError(f"fp8a2a: backend {backend!r} needs CUDA tensors; use 'reference' (or 'auto') on {device}")
-    if backend == "triton" and _tk() is None:
+    if backend == "triton" and triton_kernels() is None:
         raise ImportError("fp8a2a: backend 'triton' needs the triton package")
     if backend == "scaled_grouped_mm" and not hasattr(torch, "_scaled_grouped_mm"):
         raise RuntimeError(f"fp8a2a: torch {torch.__version__} has no torch._scaled_grouped_mm; use 'triton'")
@@ -141,20 +127,15 @@ def _dequant(xq, xs, dtype=torch.float32):
     return ops.dequantize(xq.contiguous(), xs.contiguous(), dtype)
 
 
-def _quant_rows(x):
-    """(e4m3 [M, K], scale [M]) of a float [M, K] by the package rule: the extension's quantize kernel."""
-    return ops.quantize(x.contiguous(), Granularity.ROW, None)
-
-
 def _block_to_row(data, scale):
     """Convert block128 e4m3 rows to row scaling, for kernels without block scales
     (torch._scaled_grouped_mm): x_hat = data * block scale is requantized per row by the package rule
     (amax / 448), exactly quantize(dequantize(q), 'row'). One Triton kernel on CUDA (one read, one
     write of the rows); adds one rounding to every block whose amax is below its row's amax, which
     is why backend='auto' sends block128 input to the Triton GEMM (block scales applied per K step)."""
-    if _triton_ok(data):
-        return _tk().act_quant(data, None, "identity", z_scale=scale)
-    return _quant_rows(_dequant(data, scale))
+    if triton_ok(data):
+        return triton_kernels().act_quant(data, None, "identity", z_scale=scale)
+    return quantize_rows(_dequant(data, scale))
 
 
 def _fold(xs, rw):
@@ -208,15 +189,15 @@ def _mm_fp8(cfg, xq, xs, wq, sw, offs):
     M, N = xq.shape[0], wq.shape[1]
     if M == 0:
         return xq.new_zeros((0, N), dtype=torch.bfloat16)
-    if backend == "scaled_grouped_mm" and xs.dim() == 2 and tuning.block128_native and _tk() is not None:
+    if backend == "scaled_grouped_mm" and xs.dim() == 2 and tuning.block128_native and triton_kernels() is not None:
         backend = "triton"
     if backend == "scaled_grouped_mm":
         key = (N, xq.shape[1], torch.cuda.get_device_capability(xq.device))
         if key not in _SGMM_REFUSED:
             a, sa = _block_to_row(xq, xs) if xs.dim() == 2 else (xq, xs.contiguous())
-            if fast_accum and M <= tuning.tma_max_rows_per_expert * wq.shape[0] and _tk() is not None \
-                    and _tk().fp8_tma_ok(a, wq):
-                return _tk().grouped_mm_fp8(a, sa, wq, sw, offs)
+            if fast_accum and M <= tuning.tma_max_rows_per_expert * wq.shape[0] and triton_kernels() is not None \
+                    and triton_kernels().fp8_tma_ok(a, wq):
+                return triton_kernels().grouped_mm_fp8(a, sa, wq, sw, offs)
             try:
                 return torch._scaled_grouped_mm(a, wq.transpose(-2, -1), sa, sw, offs=offs,
                                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
@@ -225,9 +206,9 @@ def _mm_fp8(cfg, xq, xs, wq, sw, offs):
             except RuntimeError as err:  # the op refused this shape: remember, use the Triton GEMM
                 _SGMM_REFUSED.add(key)
                 _warn_refused(err)
-        backend = "triton" if _tk() is not None else "reference"
+        backend = "triton" if triton_kernels() is not None else "reference"
     if backend == "triton":
-        return _tk().grouped_mm(xq, wq, offs, sa=xs, sb=sw)
+        return triton_kernels().grouped_mm(xq, wq, offs, sa=xs, sb=sw)
     return _ref_mm(_dequant(xq, xs), _dequant(wq.flatten(0, 1), sw.flatten()).view(wq.shape), offs).to(torch.bfloat16)
 
 
@@ -238,9 +219,9 @@ def _dgrad(cfg, g, w, offs):
         return g.new_zeros((0, K), dtype=torch.bfloat16)
     if cfg.fp8_dgrad:
         wtq, swt = fp8_weight(w, transposed=True)
-        gq, gs = _quant_rows(g)
+        gq, gs = quantize_rows(g)
         return _mm_fp8(cfg, gq, gs, wtq, swt, offs)
-    w = _dense_weight(w)
+    w = dense_weight(w)
     if cfg.backend == "reference":
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
     wb = w.to(torch.bfloat16)
@@ -251,9 +232,9 @@ def _dgrad(cfg, g, w, offs):
             raise
         except RuntimeError:
             pass
-    if _tk() is None:  # torch refused and no Triton: the reference loop
+    if triton_kernels() is None:  # torch refused and no Triton: the reference loop
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
-    return _tk().grouped_mm(g, wb, offs, b_strides=(wb.stride(0), wb.stride(2), wb.stride(1)), n=K)
+    return triton_kernels().grouped_mm(g, wb, offs, b_strides=(wb.stride(0), wb.stride(2), wb.stride(1)), n=K)
 
 
 def _row_groups(offs, rows):
@@ -301,8 +282,8 @@ def _wgrad_fp8(cfg, g, xq, xs, offs):
         _warn_refused(f"features {out_f} x {in_f} not multiples of 16", "the BF16 weight gradient")
         return None
     pad_offs, mpad = _wgrad_padding(offs, M)
-    a, sa = _tk().group_col_quant_t(g, offs, pad_offs, mpad)  # g^T [out_f, mpad]
-    bt, sb = _tk().group_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [in_f, mpad]
+    a, sa = triton_kernels().group_col_quant_t(g, offs, pad_offs, mpad)  # g^T [out_f, mpad]
+    bt, sb = triton_kernels().group_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [in_f, mpad]
     try:
         return torch._scaled_grouped_mm(a, bt.t(), sa, sb, offs=pad_offs, out_dtype=torch.bfloat16,
                                         use_fast_accum=cfg.fast_accum)
@@ -322,7 +303,7 @@ def _wgrad(cfg, g, xq, xs, offs, weight):
         return torch.zeros_like(weight)
     if cfg.fp8_wgrad and cfg.backend == "reference":
         return _wgrad_fp8_reference(g, _dequant(xq, xs), offs, E).to(weight.dtype)
-    if cfg.fp8_wgrad and cfg.backend == "scaled_grouped_mm" and _tk() is not None:
+    if cfg.fp8_wgrad and cfg.backend == "scaled_grouped_mm" and triton_kernels() is not None:
         dw = _wgrad_fp8(cfg, g, xq, xs, offs)
         if dw is not None:
             return dw.to(weight.dtype)
@@ -340,9 +321,9 @@ def _wgrad(cfg, g, xq, xs, offs, weight):
             raise
         except RuntimeError:
             pass
-    if _tk() is None:  # torch refused and no Triton: the reference loop
+    if triton_kernels() is None:  # torch refused and no Triton: the reference loop
         return _ref_wgrad(g, _dequant(xq, xs), offs, E).to(weight.dtype)
-    return _tk().grouped_wgrad(g, xq, offs, sx=xs, out_dtype=weight.dtype)
+    return triton_kernels().grouped_wgrad(g, xq, offs, sx=xs, out_dtype=weight.dtype)
 
 
 def _act_torch(z, act):
@@ -354,18 +335,18 @@ def _act_torch(z, act):
 
 def _act_fwd(cfg, z, rw):
     """(e4m3 [M, F], scale [M]) of act(z) * rw, one fused kernel on CUDA."""
-    if cfg.backend != "reference" and _triton_ok(z):
-        return _tk().act_quant(z, rw, cfg.activation)
+    if cfg.backend != "reference" and triton_ok(z):
+        return triton_kernels().act_quant(z, rw, cfg.activation)
     h = _act_torch(z.float(), cfg.activation)
     if rw is not None:
         h = h * rw.float()[:, None]
-    return _quant_rows(h)
+    return quantize_rows(h)
 
 
 def _act_bwd(cfg, z, dh, rw):
     """(dz like z, d rw f32 [M] or None) for h = act(z) * rw."""
-    if cfg.backend != "reference" and _triton_ok(z):
-        return _tk().act_bwd(z, dh, rw, cfg.activation)
+    if cfg.backend != "reference" and triton_ok(z):
+        return triton_kernels().act_bwd(z, dh, rw, cfg.activation)
     with torch.enable_grad():
         zf = z.detach().float().requires_grad_()
         rwf = rw.detach().float().requires_grad_() if rw is not None else None
@@ -383,7 +364,7 @@ def _act_bwd(cfg, z, dh, rw):
 def _save(ctx, *tensors):
     """ctx.save_for_backward, but expert_weights stand-ins (no values: their identity names the
     parameters) are kept as they are, out of reach of saved-tensor hooks that would copy them."""
-    ctx.stand_ins = {i: t for i, t in enumerate(tensors) if t is not None and _lazy(t)}
+    ctx.stand_ins = {i: t for i, t in enumerate(tensors) if t is not None and is_stand_in(t)}
     ctx.save_for_backward(*(None if i in ctx.stand_ins else t for i, t in enumerate(tensors)))
 
 

@@ -3,7 +3,7 @@ so the ops trace under torch.compile and record into CUDA graphs. Shapes never d
 the caller passes every data-dependent size (e.g. the number of received expert rows)."""
 import torch
 
-from .wire import QUANTIZED, CountsCol, Granularity
+from .wire import BLOCK, FP8, QUANTIZED, CountsCol, Granularity, blocks_error, fits_blocks
 
 try:
     from . import _C  # noqa: F401  registers torch.ops.fp8a2a.*
@@ -12,19 +12,11 @@ except ImportError as e:  # pragma: no cover - only without a build
         "fp8a2a: the C++ extension fp8a2a._C is not built. Run `pip install --no-build-isolation -e .` "
         f"in the repository (after installing torch). Original error: {e}") from e
 
-# Name -> code of the quantized granularities, kept for callers of the earlier module constants;
-# fp8a2a.wire holds the enums they derive from (the counts header's columns: CountsCol, only there).
-GRANULARITY = {g.label: int(g) for g in QUANTIZED}
-RAW = int(Granularity.RAW)
-BLOCK = 128
-FP8 = torch.float8_e4m3fn
 _ops = torch.ops.fp8a2a
 
 
 def granularity_code(granularity: str) -> int:
-    if not isinstance(granularity, str):
-        raise ValueError(f"fp8a2a: granularity must be one of {sorted(GRANULARITY)}, got {granularity!r}")
-    return int(Granularity.parse(granularity))
+    return int(Granularity.parse(granularity, names_only=True))
 
 
 def dispatch_row_bytes(hidden: int, granularity: int, topk: int) -> int:
@@ -53,8 +45,7 @@ def _scale_shape(rows, hidden, granularity):
 def _(x, granularity, scale):
     # the real op's argument checks (csrc/ops.h), so that a traced call fails as an eager one does
     torch._check(granularity in QUANTIZED, lambda: "fp8a2a: quantize takes granularity row, block128 or tensor")
-    torch._check(granularity != Granularity.BLOCK128 or x.shape[1] % BLOCK == 0,
-                 lambda: f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
+    torch._check(granularity != Granularity.BLOCK128 or fits_blocks(x.shape[1]), lambda: blocks_error(x.shape[1]))
     _same_device("quantize", x, ("scale", scale))
     return x.new_empty(x.shape, dtype=FP8), x.new_empty(_scale_shape(x.shape[0], x.shape[1], granularity),
                                                         dtype=torch.float32)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .wire import Granularity
+from .wire import AMAX_FLOOR, E4M3_MAX, Granularity
 
 
 @dataclass(eq=False)  # compared by identity, like tensors (field-wise == of tensors is ambiguous)
@@ -41,18 +41,15 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
 
 
-# csrc/fp8_common.h's kAmaxFloor: a nonzero amax below it counts as it (448 / amax would overflow).
-AMAX_FLOOR = 2.0 ** -117
-
-
 def scale_rule(amax: torch.Tensor):
     """(quant multiplier 448 / amax, dequant scale amax / 448) of float32 amaxes by the package rule
-    (csrc/fp8_common.h): IEEE divisions (torch.div), both 1 where amax is 0, a nonzero amax below
-    AMAX_FLOOR counted as AMAX_FLOOR, NaN kept."""
+    (csrc/fp8_common.h; wire.E4M3_MAX, wire.AMAX_FLOOR): IEEE divisions (torch.div), both 1 where
+    amax is 0, a nonzero amax below AMAX_FLOOR counted as AMAX_FLOOR, NaN kept. The one Python copy
+    of the rule; triton_kernels._scale_rule is its device twin."""
     zero, one = amax == 0, torch.ones_like(amax)
     a = torch.where(zero, one, amax.clamp_min(AMAX_FLOOR))  # clamp keeps NaN
-    return (torch.where(zero, one, torch.div(torch.full_like(amax, 448.0), a)),
-            torch.where(zero, one, torch.div(a, torch.full_like(amax, 448.0))))
+    top = torch.full_like(amax, E4M3_MAX)
+    return torch.where(zero, one, torch.div(top, a)), torch.where(zero, one, torch.div(a, top))
 
 
 def scale_of_amax(amax: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,7 @@ write it: amax, div, cast, index_select / scatter). Never on the fast path."""
 import torch
 
 from .quant import scale_rule
-
-FP8 = torch.float8_e4m3fn
+from .wire import BLOCK, FP8
 
 
 def _div(a, b):
@@ -32,7 +31,7 @@ def quantize_reference(x: torch.Tensor, granularity: str = "row", scale: torch.T
         data = (xf * q).to(FP8).view(torch.uint8)
         nan_rows = ~torch.isfinite(xf).all(dim=1, keepdim=True)  # one scale cannot mark them: NaN bytes
         return torch.where(nan_rows, torch.full_like(data, 0x7F), data).view(FP8), scale
-    blocks = xf.view(t, h // 128, 128) if granularity == "block128" else xf.view(t, 1, h)
+    blocks = xf.view(t, h // BLOCK, BLOCK) if granularity == "block128" else xf.view(t, 1, h)
     amax = blocks.abs().amax(dim=-1)  # propagates NaN
     q, s = scale_rule(amax)
     data = (blocks * q.unsqueeze(-1)).to(FP8).view(t, h)
@@ -43,7 +42,7 @@ def dequantize_reference(data, scale, dtype=torch.float32):
     t, h = data.shape
     df = data.float()
     if scale.dim() == 2:
-        df = (df.view(t, -1, 128) * scale.unsqueeze(-1)).view(t, h)
+        df = (df.view(t, -1, BLOCK) * scale.unsqueeze(-1)).view(t, h)
     else:
         df = df * (scale.unsqueeze(-1) if scale.dim() == 1 else scale)
     return df.to(dtype)

@@ -25,6 +25,14 @@ try:  # host-side TMA descriptors (Triton 3.3+): grouped_mm_fp8
 except ImportError:  # pragma: no cover - older Triton: torch._scaled_grouped_mm only
     TensorDescriptor = None
 
+from . import wire
+
+# The wire's constants the kernels read (fp8a2a.wire, csrc/fp8_common.h). A global a kernel reads
+# must be a constexpr; these compile to the same immediates as the literals would.
+E4M3_MAX = tl.constexpr(wire.E4M3_MAX)
+AMAX_FLOOR = tl.constexpr(wire.AMAX_FLOOR)
+SCALE_BLOCK = tl.constexpr(wire.BLOCK)  # values per block scale (block128)
+
 ACT_CODE = {"identity": 0, "swiglu": 1, "gelu": 2, "relu": 3}
 _FP8_DOT = None  # whether tl.dot takes e4m3 on this device (sm_89+)
 
@@ -90,7 +98,7 @@ def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, offs_ptr, M, N, K, E
             a = a.to(tl.bfloat16)
             b = b.to(tl.bfloat16)
         if A_SCALE == 2:
-            sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam + (k0 // 128) * s_sak, mask=m_ok, other=0.0)
+            sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam + (k0 // SCALE_BLOCK) * s_sak, mask=m_ok, other=0.0)
             acc += tl.dot(a, b) * sa[:, None]
         elif FP8:  # promote to fp32 every BK (Hopper's fp8 MMA accumulates with reduced precision)
             acc += tl.dot(a, b)
@@ -199,7 +207,7 @@ def _load_rows(x_ptr, sx_ptr, rm, rc, m_ok, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SC
     if X_SCALE == 1:
         v = v * tl.load(sx_ptr + rm64 * s_sxm, mask=m_ok, other=0.0)[:, None]
     elif X_SCALE == 2:
-        v = v * tl.load(sx_ptr + rm64[:, None] * s_sxm + (rc // 128)[None, :] * s_sxc, mask=ok, other=0.0)
+        v = v * tl.load(sx_ptr + rm64[:, None] * s_sxm + (rc // SCALE_BLOCK)[None, :] * s_sxc, mask=ok, other=0.0)
     return v
 
 
@@ -269,11 +277,11 @@ def _act(g, u, ACT: tl.constexpr):
 
 @triton.jit
 def _scale_rule(amax):
-    """(quantize multiplier 448 / amax, dequant scale amax / 448) by the package rule: IEEE divisions,
-    both 1 where amax is 0, a nonzero amax below 2^-117 (quant.AMAX_FLOOR) counted as 2^-117."""
+    """(quantize multiplier 448 / amax, dequant scale amax / 448): quant.scale_rule on the device, the
+    same IEEE divisions, both 1 where amax is 0, a nonzero amax below AMAX_FLOOR counted as it."""
     zero = amax == 0.0
-    a1 = tl.where(zero, 1.0, tl.where(amax < 6.018531076210112e-36, 6.018531076210112e-36, amax))
-    return tl.where(zero, 1.0, tl.math.div_rn(448.0, a1)), tl.where(zero, 1.0, tl.math.div_rn(a1, 448.0))
+    a1 = tl.where(zero, 1.0, tl.where(amax < AMAX_FLOOR, AMAX_FLOOR, amax))
+    return tl.where(zero, 1.0, tl.math.div_rn(E4M3_MAX, a1)), tl.where(zero, 1.0, tl.math.div_rn(a1, E4M3_MAX))
 
 
 @triton.jit
@@ -283,7 +291,7 @@ def _act_chunk(zr, zs_row, off, F, w, ACT: tl.constexpr, Z_BLOCK: tl.constexpr, 
     ok = c < F
     g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
     if Z_BLOCK:  # z is e4m3 with 128-block scales (block128 -> row conversion)
-        g = g * tl.load(zs_row + c // 128, mask=ok, other=0.0)
+        g = g * tl.load(zs_row + c // SCALE_BLOCK, mask=ok, other=0.0)
     u = g
     if ACT == 1:
         u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)

@@ -1,16 +1,12 @@
 """The expert weights the FP8 GEMMs read, cached across micro-batches: fp8_weight (FP8 [E, N, K]
 with per-output-channel scales, or its transpose per input channel for the FP8 dgrad), the BF16
-stack for the BF16 dgrad (_dense_weight), and expert_weights' stand-ins for Megatron's per-expert
+stack for the BF16 dgrad (dense_weight), and expert_weights' stand-ins for Megatron's per-expert
 parameters (no stack per forward). One validity rule for every cached copy (_cached)."""
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .ops import FP8
-
-
-def _experts():  # the GEMM module's Triton loader and row quantization (it imports this module)
-    from . import experts
-    return experts
+from .kernels import quantize_rows, triton_kernels, triton_ok
+from .wire import FP8
 
 
 # Fused optimizers (e.g. AdamW(fused=True)) update weights without bumping their version counter,
@@ -59,7 +55,7 @@ def expert_weights(*groups):
     grouped_linear / FP8GroupedMLP without stacking them: differentiable (each parameter gets its
     slice of the gradient), but holding no values. The expert GEMMs read only the copies cached
     on the parameters under fp8_weight's rule: the FP8 weights, and the BF16 stack the BF16 dgrad
-    reads (_dense_weight). Returns a tuple, one weight per group."""
+    reads (dense_weight). Returns a tuple, one weight per group."""
     groups = [tuple(g) for g in groups]
     if any(not g or any(t.shape != g[0].shape for t in g) for g in groups):
         raise ValueError("fp8a2a: expert_weights needs non-empty groups of same-shaped parameters")
@@ -95,15 +91,17 @@ def _cached(weight, kind, build):
     return out
 
 
-def _lazy(weight) -> bool:
+def is_stand_in(weight: torch.Tensor) -> bool:
+    """Whether weight is an expert_weights stand-in (it holds no values: read dense_weight or
+    fp8_weight of it)."""
     return "_fp8a2a_sources" in weight.__dict__
 
 
-def _dense_weight(weight: torch.Tensor) -> torch.Tensor:
+def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     """The values of an [E, N, K] weight: itself, or for an expert_weights stand-in the stack of its
     parameters, cached (one copy of the local expert weights, refreshed when they change: it spares
-    every micro-batch a copy of all of them)."""
-    if not _lazy(weight):
+    every micro-batch a copy of all of them). What the BF16 dgrad reads."""
+    if not is_stand_in(weight):
         return weight
     return _cached(weight, "stack", lambda sources: torch.stack([t.detach() for t in sources]))
 
@@ -113,24 +111,24 @@ def _fast_weight_quant(weight, sources, transposed):
     or None where it does not apply: not CUDA / no Triton, no elements, another dtype, or for a
     stand-in, parameters not all contiguous of one dtype on the weight's device. transposed="both":
     (row-wise, transposed) from triton_kernels.expert_weight_quant_both."""
-    fx = _experts()
-    if not fx._triton_ok(weight):
+    if not triton_ok(weight):
         return None
+    tk = triton_kernels()
     E, N, K = weight.shape
     if E == 0 or N == 0 or K == 0:
         return None
-    if not _lazy(weight):
+    if not is_stand_in(weight):
         w = weight.detach()
-        if w.dtype not in fx._tk().WEIGHT_DTYPES or w.stride(2) != 1:
+        if w.dtype not in tk.WEIGHT_DTYPES or w.stride(2) != 1:
             return None
-        return _quant_call(fx._tk(), w, transposed)
+        return _quant_call(tk, w, transposed)
     ts = [t.detach() for t in sources]
     t0 = ts[0]
-    if (len(ts) != E or t0.dtype not in fx._tk().WEIGHT_DTYPES
+    if (len(ts) != E or t0.dtype not in tk.WEIGHT_DTYPES
             or any(t.device != weight.device or t.dtype != t0.dtype or t.shape != (N, K) or not t.is_contiguous()
                    for t in ts)):
         return None
-    return _quant_call(fx._tk(), ts, transposed)
+    return _quant_call(tk, ts, transposed)
 
 
 def _quant_call(tk, w, transposed):
@@ -171,14 +169,14 @@ def _build(weight, sources, transposed):
     E, N, K = weight.shape
     if transposed:
         N, K = K, N
-    if not _lazy(weight):
+    if not is_stand_in(weight):
         w = weight.detach()
-        data, scale = _experts()._quant_rows((w.transpose(-2, -1) if transposed else w).reshape(E * N, K))
+        data, scale = quantize_rows((w.transpose(-2, -1) if transposed else w).reshape(E * N, K))
         return data.view(E, N, K), scale.view(E, N)
     data = torch.empty((E, N, K), dtype=FP8, device=weight.device)
     scale = torch.empty((E, N), dtype=torch.float32, device=weight.device)
     for e, t in enumerate(sources):
-        d, s = _experts()._quant_rows(t.detach().t() if transposed else t.detach())
+        d, s = quantize_rows(t.detach().t() if transposed else t.detach())
         data[e].copy_(d)
         scale[e].copy_(s)
     return data, scale

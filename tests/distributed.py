@@ -1,12 +1,15 @@
 """The tests' multi-rank launcher: run_ranks(world, fn, *args, timeout=...) runs fn(rank, world, *args)
 on `world` forked CPU processes joined by gloo (forking keeps a launch well under a second) and
-returns every rank's result, in rank order.
+returns every rank's result, in rank order. The ranks meet in a file store in a fresh temporary
+directory: no port to find, none that another process can take in between.
 
 A rank's exception fails the call with that rank's traceback. The timeout is hard: a call that
 has not finished after `timeout` seconds kills every rank and raises, so that a hang (a rank
 waiting in a collective its peers never join) fails the test instead of stalling CI."""
 import multiprocessing as mp
+import os
 import queue
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -14,16 +17,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fp8a2a.bench.launch import free_port
-
 DEFAULT_TIMEOUT = 300.0
 GRACE = 10.0  # after a rank fails: how long the others get to report before they are killed
 
 
-def _rank_main(rank, world, port, fn, args, results, timeout):
+def _rank_main(rank, world, store, fn, args, results, timeout):
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
         try:
             report = (rank, None, fn(rank, world, *args))
@@ -35,10 +36,14 @@ def _rank_main(rank, world, port, fn, args, results, timeout):
 
 
 def run_ranks(world, fn, *args, timeout=DEFAULT_TIMEOUT):
+    with tempfile.TemporaryDirectory(prefix="fp8a2a-ranks-") as tmp:
+        return _run(world, fn, args, timeout, os.path.join(tmp, "store"))
+
+
+def _run(world, fn, args, timeout, store):
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, timeout), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, store, fn, args, results, timeout), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

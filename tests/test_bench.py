@@ -19,6 +19,7 @@ from fp8a2a import ops
 from fp8a2a.bench import baseline, costs, model as bench_model, report, sweep
 from fp8a2a.wire import CountsCol
 from fp8a2a.dispatcher import DEFAULT_BF16_BELOW_BYTES
+from fp8a2a.wire import CountsCol, Granularity
 
 from .distributed import run_ranks
 
@@ -189,7 +190,7 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path):
         # exact wire bytes, averaged over the ranks
         T = r["tokens"]
         assert r["megatron_bf16_wire_bytes"] == T * K * (2 * H + 4) + E * 8 * world
-        code = ops.GRANULARITY[r["granularity"]]
+        code = Granularity.parse(r["granularity"])
         rows = []
         for rank in range(world):
             idx = baseline.make_routing(T, E, K, "cpu", sweep.point_seed(0, rank, T) + 1)[0]
@@ -199,7 +200,7 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path):
         assert r["fp8a2a_fp8_wire_bytes"] == pytest.approx(
             sum(rows) / world * ops.dispatch_row_bytes(H, code, K) + counts)
         assert r["fp8a2a_bf16_wire_bytes"] == pytest.approx(
-            sum(rows) / world * ops.dispatch_row_bytes(2 * H, ops.RAW, K) + counts)
+            sum(rows) / world * ops.dispatch_row_bytes(2 * H, Granularity.RAW, K) + counts)
         assert r["wire_ratio_dispatch"] < 0.6
     an = doc["analysis"]
     assert set(an["crossover_vs_bf16_wire"]) == {f"H{H}-E{E}-K{K}-row", f"H{H}-E{E}-K{K}-block128"}

@@ -316,7 +316,7 @@ class _CpuStream:
 
 
 def _megatron_on_cpu(gloo=False):
-    from fp8a2a.megatron.testing import cpu_current_device
+    from fp8a2a.megatron.standalone import cpu_current_device
     if not torch.cuda.is_available():
         torch.cuda.Stream = _CpuStream
         torch.cuda.current_stream = lambda *a: _CpuStream()

@@ -4,7 +4,7 @@ Reference: the same MoELayer (router, experts, weights, inputs) with Megatron's 
 dispatcher, which runs on CPU (Megatron's `alltoall` needs CUDA streams;
 tests/gpu/test_megatron_gpu.py compares with it on a GPU). Unquantized (BF16 fallback wire) runs must
 match it to float32 rounding; FP8 runs stay within the e4m3 bound of their path (tests/fp8_bounds.py).
-Megatron assumes CUDA in two places on CPU, worked around in fp8a2a.megatron.testing (plain-torch
+Megatron assumes CUDA in two places on CPU, worked around in fp8a2a.megatron.standalone (plain-torch
 router gating; CPU current_device in the child processes)."""
 import argparse
 import functools
@@ -32,7 +32,7 @@ with warnings.catch_warnings():
 
 import fp8a2a.megatron as fm
 from fp8a2a.megatron.dispatcher import FP8AlltoAllTokenDispatcher, routing_map_to_topk
-from fp8a2a.megatron.testing import cpu_current_device, with_portable_router
+from fp8a2a.megatron.standalone import cpu_current_device, with_portable_router
 
 from .distributed import run_ranks
 from .fp8_bounds import BLOCKS, E4M3, FP8_EXPERTS, WIRE, bound, small_block_error

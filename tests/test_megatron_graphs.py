@@ -90,7 +90,7 @@ def test_graph_modules_of_either_megatron():
 def _refused_when_built(rank, world):
     from megatron.core import parallel_state as ps
 
-    from fp8a2a.megatron.testing import cpu_current_device
+    from fp8a2a.megatron.standalone import cpu_current_device
     from tests.test_megatron import build, moe_spec
     cpu_current_device()
     cfg = config()

@@ -6,7 +6,7 @@ import torch
 import fp8a2a
 from fp8a2a import ops
 from fp8a2a.reference import dequantize_reference, drop_to_capacity_reference, quantize_reference, route_reference
-from fp8a2a.wire import CountsCol
+from fp8a2a.wire import CountsCol, Granularity
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -285,7 +285,7 @@ def test_pack_header_says_whether_the_input_needs_grad(needs_grad):
     x, (idx, w) = torch.randn(t, h, dtype=torch.bfloat16), routing(t, 2, e)
     _, base, _ = ops.dispatch_pack(x, idx, w, e, ranks, 0, None)
     assert base[:, CountsCol.GRAD].tolist() == [0] * ranks  # the default: no gradient
-    for gran, cap in ((0, 0), (1, 0), (2, 0), (ops.RAW, 0), (0, t)):
+    for gran, cap in ((0, 0), (1, 0), (2, 0), (int(Granularity.RAW), 0), (0, t)):
         scale = torch.tensor(0.5) if gran == 2 else None
         _, counts, _ = ops.dispatch_pack(x, idx, w, e, ranks, gran, scale, cap, needs_grad)
         assert counts[:, CountsCol.GRAD].tolist() == [int(needs_grad)] * ranks, (gran, cap)
@@ -515,7 +515,6 @@ def test_ops_trace_under_torch_compile():
 
 def test_raw_pack_takes_an_empty_expanded_activation():
     # the gradient of y.sum() on a rank without tokens: contiguous by torch's rule, zero strides
-    from fp8a2a.wire import Granularity
     x = torch.ones((), dtype=torch.bfloat16).expand(0, 64)
     idx, w = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
     send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, int(Granularity.RAW), None, 0)

@@ -30,4 +30,15 @@ size, finds the crossover below which BF16 wins and recommends `bf16_below_bytes
 #   report    statistics, crossover, recommendation; table, JSON, CSV, PNG
 #   model     the scale model (--model) -> baseline
 #   costs     host syncs, launches, copies from profiler events; back-to-back timing
+#   timing    CUDA-event medians, CUDA-graph capture
 #   launch    the sweep's gloo ranks on a CPU machine
+
+# The benchmark API: what benchmarks/*.py (and the GPU tests) build on, so that the sweep and the
+# single-GPU benchmarks time, count and compare alike. Everything else in this package is the CLI's.
+from .baseline import MegatronStyleAlltoAll, make_routing  # the BF16 baseline; uniform routing
+from .costs import TIMING, host_reference_us, profile_call, spread, time_calls  # counts and timing
+from .report import percentile
+from .timing import capture_cuda_graph, cuda_median_ms
+
+__all__ = ["MegatronStyleAlltoAll", "make_routing", "TIMING", "host_reference_us", "profile_call", "spread",
+           "time_calls", "percentile", "capture_cuda_graph", "cuda_median_ms"]

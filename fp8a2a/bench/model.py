@@ -30,10 +30,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .. import ops
 from ..dispatcher import Dispatcher
-from ..timing import cuda_median_ms
 from ..wire import Granularity
 from .baseline import MegatronStyleAlltoAll, make_routing
+from .timing import cuda_median_ms
 
 EP_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -103,16 +104,9 @@ class Params:
 
 
 def _row_bytes(hidden, topk):
-    try:
-        from .. import ops
-        return ops.dispatch_row_bytes(hidden, Granularity.ROW, topk), \
-            ops.combine_row_bytes(hidden, torch.bfloat16, False, 0)
-    except Exception:  # noqa: BLE001 - the formula of csrc/fp8_common.h, for a machine without the build
-        return _pad_row((hidden + 3) // 4 * 4 + 4 + 12 * topk), _pad_row(2 * hidden)
-
-
-def _pad_row(n):  # wire rows are padded to 128-byte lines (kRowAlign)
-    return (n + 127) // 128 * 128
+    """(dispatch row bytes, BF16 combine row bytes): the extension's wire layout (csrc/fp8_common.h)."""
+    return (ops.dispatch_row_bytes(hidden, Granularity.ROW, topk),
+            ops.combine_row_bytes(hidden, torch.bfloat16, False, 0))
 
 
 def distinct_ranks(ep: int, experts: int, topk: int) -> float:

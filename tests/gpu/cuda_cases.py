@@ -12,10 +12,10 @@ import torch
 
 from fp8a2a import ops
 from fp8a2a.quant import scale_rule
-from fp8a2a.wire import CountsCol
+from fp8a2a.wire import BLOCK, CountsCol, Granularity
 
 ROWS, HEADER = CountsCol.ROWS, CountsCol.EXPERTS
-RAW = ops.RAW
+RAW = int(Granularity.RAW)
 GRAN_NAMES = {0: "row", 1: "block128", 2: "tensor", 3: "raw"}
 DEVICE = torch.device("cuda")
 
@@ -85,7 +85,7 @@ def any_equal(a, b, name):
 
 
 def dispatch_layout(hidden, gran, k):
-    ns = {0: 1, 1: hidden // 128, 2: 1, 3: 0}[gran]
+    ns = {0: 1, 1: hidden // BLOCK, 2: 1, 3: 0}[gran]
     scale = (hidden + 3) // 4 * 4
     weight = scale + 4 * ns
     return dict(scale=scale, weight=weight, bytes=ops.dispatch_row_bytes(hidden, gran, k))

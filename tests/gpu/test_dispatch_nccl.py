@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import fp8a2a
-from fp8a2a.timing import capture_cuda_graph
+from fp8a2a.bench import capture_cuda_graph
 
 from ..test_dispatch import CASES, cases_for_world, make_inputs, scenario
 

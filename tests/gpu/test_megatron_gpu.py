@@ -35,7 +35,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore")]
 
 import fp8a2a.megatron as fm  # noqa: E402
-from fp8a2a.megatron.testing import build_layer, fp8_context, world_of_one  # noqa: E402
+from fp8a2a.megatron.standalone import build_layer, fp8_context, world_of_one  # noqa: E402
 
 from ..fp8_bounds import BLOCKS, E4M3, FP8_EXPERTS, WIRE, small_block_error  # noqa: E402
 

@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore")]
 
 import fp8a2a.megatron as fm  # noqa: E402
-from fp8a2a.megatron.testing import build_layer, world_of_one  # noqa: E402
+from fp8a2a.megatron.standalone import build_layer, world_of_one  # noqa: E402
 
 SEQ, MBS, HIDDEN, FFN, EXPERTS, TOPK = 512, 2, 512, 512, 8, 2
 RAW = 1 << 40  # bf16_below_bytes: an unquantized wire (must match alltoall to bf16 rounding)

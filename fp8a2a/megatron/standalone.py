@@ -1,17 +1,28 @@
-"""Helpers to run Megatron-core MoE layers where Megatron itself assumes CUDA and TransformerEngine
-(CPU tests, the CPU mode of examples/train_moe_megatron.py). Not used by the adapter itself.
+"""Megatron-core MoE layers outside a Megatron training launch: in one process, on a machine without
+CUDA or TransformerEngine, on megatron-core 0.16 and 0.19 alike. What the examples and
+benchmarks build their runs on (examples/train_moe_megatron.py's CPU mode,
+examples/convergence_megatron.py, benchmarks/bench_megatron_layer.py, bench_small_model.py); the
+adapter itself (fp8a2a.megatron) needs none of it.
 
-* PortableTopKRouter: TopKRouter whose gating is a plain torch linear on the input's device.
-  megatron-core 0.16's TopKRouter.gating moves its weight to CUDA, and its router_gating_linear
-  raises NameError (te_general_gemm) when TransformerEngine is not installed. Routing, scoring,
-  capacity dropping and load-balancing losses are Megatron's own.
-* with_portable_router(spec): a copy of a layer/MoE spec using PortableTopKRouter.
+    teardown = world_of_one()                  # torch.distributed + Megatron parallel state, world size 1
+    spec = with_portable_router(get_moe_module_spec(...))
+    layer = build_layer(spec, config)
+    with fp8_context(config):                  # the config's TE FP8 recipe, if any
+        y, _ = layer(x)
+    teardown()
+
+* with_portable_router(spec): a copy of a layer/MoE spec whose router is a TopKRouter with its
+  gating a plain torch linear on the input's device (PortableTopKRouter). megatron-core 0.16's
+  TopKRouter.gating moves its weight to CUDA, and its router_gating_linear raises NameError
+  (te_general_gemm) when TransformerEngine is not installed. Routing, scoring, capacity dropping
+  and load-balancing losses are Megatron's own.
 * cpu_current_device(): makes torch.cuda.current_device() return the CPU device on a machine
-  without CUDA (Megatron allocates some buffers there); for tests and CPU examples only.
-* world_of_one(), build_layer(spec, config), fp8_context(config): a process group of one with
-  Megatron's model-parallel state, a layer built from a spec of any megatron-core version, and the
-  TE FP8 recipe context of a config (tests/gpu/test_megatron_gpu.py,
-  benchmarks/bench_megatron_layer.py).
+  without CUDA (Megatron allocates some buffers there). Process-wide.
+* single_process_group(): torch.distributed at world size 1 (NCCL on a GPU, else gloo).
+* world_of_one(seed): that and Megatron's model-parallel state; returns the teardown.
+* build_layer(spec, config): the module of a spec, on megatron-core 0.16 (ModuleSpec) and 0.19
+  (partial builders) alike.
+* fp8_context(config): Megatron's TE FP8 recipe context of a config, else a null context.
 """
 import contextlib
 import dataclasses
@@ -19,6 +30,7 @@ import datetime
 import functools
 
 import torch
+import torch.distributed as dist
 
 from ..bench.launch import free_port
 
@@ -42,6 +54,8 @@ def _router_cls():
 
 
 def with_portable_router(spec):
+    """A copy of a layer, block or MoE spec (ModuleSpec, partial builder, submodules dataclass) whose
+    MoE router is PortableTopKRouter; everything else shared with `spec`."""
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -69,25 +83,31 @@ def with_portable_router(spec):
 
 
 def cpu_current_device():
-    """Without CUDA, let torch.cuda.current_device() name the CPU (process-wide; tests/examples)."""
+    """Without CUDA, let torch.cuda.current_device() name the CPU (process-wide)."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")
 
 
+def single_process_group(backend=None, timeout=datetime.timedelta(minutes=5)):
+    """torch.distributed at world size 1, this process rank 0, met on a free local port: `backend`
+    (default NCCL on GPU 0 where CUDA is there, else gloo)."""
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timeout)
+
+
 def world_of_one(seed: int = 123):
-    """torch.distributed at world size 1 (NCCL on a GPU, else gloo) and Megatron's model-parallel
-    state; returns the function that tears both down."""
-    import torch.distributed as dist
+    """torch.distributed at world size 1 (single_process_group) and Megatron's model-parallel state
+    (model-parallel RNG seeded with `seed`); returns the function that tears both down."""
     from megatron.core import parallel_state as ps, tensor_parallel
 
     cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(0)
-    else:
+    if not cuda:
         cpu_current_device()
-    port = free_port()
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1, timeout=datetime.timedelta(minutes=5))
+    single_process_group()
     if cuda:
         ps.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,30 @@
+"""Where the expert GEMMs and their weight cache find their shared kernels: the Triton kernels, loaded
+lazily (CPU machines need no Triton), whether a tensor can take them, and the extension's row
+quantization. A leaf: it imports no other module of the expert path, so experts.py and
+weight_cache.py both build on it and neither imports the other's internals."""
+import functools
+import importlib
+
+import torch
+
+from . import ops
+from .wire import Granularity
+
+
+@functools.lru_cache(None)
+def triton_kernels():
+    """fp8a2a.triton_kernels, or None where Triton is missing (CPU machines)."""
+    try:
+        return importlib.import_module(".triton_kernels", __package__)
+    except ImportError:
+        return None
+
+
+def triton_ok(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on t: a CUDA tensor, with Triton installed."""
+    return t.is_cuda and triton_kernels() is not None
+
+
+def quantize_rows(x: torch.Tensor):
+    """(e4m3 [M, K], scale [M]) of a float [M, K] by the package rule: the extension's quantize kernel."""
+    return ops.quantize(x.contiguous(), Granularity.ROW, None)
