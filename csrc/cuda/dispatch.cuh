@@ -1,6 +1,7 @@
 // What the dispatch stage's files share: the wire row as the kernels read it, the routing shape
-// of one dispatch_pack call (read by the layout, scan and pack kernels), and the layout's host
-// entry points (dispatch_layout.cu), which dispatch_pack_cuda (dispatch_pack.cu) calls.
+// of one dispatch_pack call (read by the layout, scan and pack kernels) and its host plan, the
+// index-type dispatch, and the layout's host entry points (dispatch_layout.cu), which
+// dispatch_pack_cuda (dispatch_pack.cu) calls.
 #pragma once
 
 #include "common.cuh"
@@ -67,6 +68,29 @@ __device__ __forceinline__ int64_t count_header(int c, int64_t H, int64_t K, int
   }
 }
 
+// Runs the lambda (the last argument) with IdxT, topk_idx's element type: int64_t where IDX64, else
+// int32_t; FP8A2A_DISPATCH_ROUTING also with the constant SELF: whether the pack blocks route their
+// own tokens (SELF_ROUTE, DispatchPackPlan::self_route).
+#define FP8A2A_DISPATCH_INDEX(IDX64, ...) \
+  [&] {                                   \
+    if (IDX64) {                          \
+      using IdxT = int64_t;               \
+      return __VA_ARGS__();               \
+    }                                     \
+    using IdxT = int32_t;                 \
+    return __VA_ARGS__();                 \
+  }()
+
+#define FP8A2A_DISPATCH_ROUTING(IDX64, SELF_ROUTE, ...) \
+  FP8A2A_DISPATCH_INDEX(IDX64, [&] {                    \
+    if (SELF_ROUTE) {                                   \
+      constexpr bool SELF = true;                       \
+      return __VA_ARGS__();                             \
+    }                                                   \
+    constexpr bool SELF = false;                        \
+    return __VA_ARGS__();                               \
+  })
+
 // ---- layout host side (dispatch_layout.cu) ----
 
 // The layout's geometry for TK slots: chunks of `warps` warps x `steps` groups of 32 slots, and
@@ -89,5 +113,35 @@ bool dispatch_early_launch_ok(int device);
 // kernel when there are several chunks (early when pdl).
 void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* scratch, int64_t TK, bool idx64,
                             bool pdl, cudaStream_t stream, int device);
+
+// ---- one dispatch_pack call, planned on the host (plan_dispatch_pack: dispatch_pack.cu) ----
+
+// What dispatch_pack_cuda decides before it allocates or launches anything: the routing shape the
+// kernels read (the counts and the layout's tables not yet pointed at), the layout's geometry,
+// the self-routing policy (small batches: no layout kernel, each pack block routes its own token)
+// and the send buffer's one allocation: the rows, then the layout's int32 scratch (one allocation
+// less per call; none when self-routed).
+struct DispatchPackPlan {
+  DispatchShape shape;
+  LayoutPlan layout;
+  int64_t T, TK, send_rows;
+  int64_t send_bytes;   // the rows' bytes, a multiple of kRowAlign: the scratch after them is aligned
+  int64_t alloc_bytes;  // the rows and the scratch
+  size_t route_smem;    // the pack kernels' shared memory for one token's routing
+  size_t smem;          // all their dynamic shared memory (self-routed: the routing tables too)
+  bool self_route;
+  bool idx64;  // topk_idx is int64 (else int32)
+  bool vec;    // H % 16 == 0 and x 16-byte aligned: the vector pack kernels (raw: 16-byte copies)
+
+  // the send rows [send_rows, row bytes] and the layout's scratch (null: self-routed) of the allocation
+  Tensor send(const Tensor& alloc) const { return alloc.narrow(0, 0, send_bytes).view({send_rows, shape.wire.bytes}); }
+  int* scratch(const Tensor& alloc) const {
+    return self_route ? nullptr : reinterpret_cast<int*>(alloc.data_ptr<uint8_t>() + send_bytes);
+  }
+};
+
+// x as the kernels take it (pack_input), checked (check_dispatch_pack); act_dtype: its ActDtype.
+DispatchPackPlan plan_dispatch_pack(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
+                                    int64_t granularity, int64_t rank_capacity, int64_t act_dtype, bool needs_grad);
 
 }  // namespace fp8a2a

@@ -280,13 +280,10 @@ void launch_dispatch_layout(DispatchShape& shape, const LayoutPlan& plan, int* s
   lp.chunk_off = shape.chunk_off;
   lp.rank_off = shape.rank_off;
   lp.counts = shape.counts;
-  if (idx64) {
-    ensure_smem(dispatch_layout_kernel<int64_t>, plan.smem, device, "dispatch_pack layout");
-    dispatch_layout_kernel<int64_t><<<plan.nchunks, plan.warps * 32, plan.smem, stream>>>(lp);
-  } else {
-    ensure_smem(dispatch_layout_kernel<int32_t>, plan.smem, device, "dispatch_pack layout");
-    dispatch_layout_kernel<int32_t><<<plan.nchunks, plan.warps * 32, plan.smem, stream>>>(lp);
-  }
+  FP8A2A_DISPATCH_INDEX(idx64, [&] {
+    ensure_smem(dispatch_layout_kernel<IdxT>, plan.smem, device, "dispatch_pack layout");
+    dispatch_layout_kernel<IdxT><<<plan.nchunks, plan.warps * 32, plan.smem, stream>>>(lp);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (plan.nchunks > 1)  // a block per kScanCols columns, and one for the rank offsets
     launch_kernel(dispatch_scan_kernel, (cols + kScanCols - 1) / kScanCols + 1, kScanCols * kScanRows, 0, stream, pdl,

@@ -1,6 +1,7 @@
 // dispatch_pack: the pack kernels (one block per token: read once, quantized once, written to
-// each destination rank's send row) and dispatch_pack_cuda, which plans and launches the layout
-// stage (dispatch_layout.cu) unless the pack blocks route their own tokens.
+// each destination rank's send row), plan_dispatch_pack (one call's shape, self-routing policy and
+// send buffer: dispatch.cuh) and dispatch_pack_cuda, which launches the layout stage
+// (dispatch_layout.cu) unless the pack blocks route their own tokens, then the pack kernel.
 #include "dispatch.cuh"
 
 namespace fp8a2a {
@@ -392,97 +393,109 @@ __global__ void __launch_bounds__(512) dispatch_pack_raw_kernel(PackParams p) {
   }
 }
 
+// The pack kernels' parameters: the plan's shape, the buffers of this call.
+PackParams pack_params(const DispatchPackPlan& plan, const Tensor& x, const Tensor& topk_weights,
+                       const std::optional<Tensor>& tensor_scale, const Tensor& send, const Tensor& send_pos) {
+  PackParams p{plan.shape};
+  p.x = x.data_ptr();
+  p.w = topk_weights.data_ptr<float>();
+  p.tscale = plan.shape.wire.gran == kTensor ? tensor_scale->data_ptr<float>() : nullptr;
+  p.tscale_q = plan.shape.wire.gran == kTensor && tensor_scale->numel() == 2;
+  p.send = send.data_ptr<uint8_t>();
+  p.send_pos = send_pos.data_ptr<int>();
+  p.T = plan.T;
+  p.vec = plan.vec;
+  p.self_off = static_cast<int>(plan.route_smem);
+  return p;
+}
+
+// One pack block per token: the kernel for the wire, x's dtype, the row's width and alignment, the
+// index type and the self-routing flag; early (after the layout kernels) where pdl.
+void launch_pack(const DispatchPackPlan& plan, const PackParams& p, at::ScalarType x_dtype, bool pdl,
+                 cudaStream_t stream, int device) {
+  const int64_t H = plan.shape.wire.hidden, U = H / 16;
+  auto launch = [&](auto kernel, int threads) {
+    ensure_smem(kernel, plan.smem, device, "dispatch_pack");
+    launch_kernel(kernel, plan.T, threads, plan.smem, stream, pdl && !plan.self_route, p);
+  };
+  FP8A2A_DISPATCH_ROUTING(plan.idx64, plan.self_route, [&] {
+    if (plan.shape.wire.gran == kRaw) {
+      launch(dispatch_pack_raw_kernel<IdxT, SELF>, static_cast<int>(std::min<int64_t>(512, round_up32(p.vec ? U : H))));
+      return;
+    }
+    const int upt = p.vec ? units_per_thread(U, /*prefer2=*/true) : 0;
+    FP8A2A_DISPATCH_FLOAT(x_dtype, "dispatch_pack", [&] {
+      if (upt == 1) launch(dispatch_pack_vec_kernel<scalar_t, IdxT, 1, SELF>, threads_for(U, 1));
+      else if (upt == 2) launch(dispatch_pack_vec_kernel<scalar_t, IdxT, 2, SELF>, threads_for(U, 2));
+      else launch(dispatch_pack_scalar_kernel<scalar_t, IdxT, SELF>, 256);
+    });
+  });
+}
+
 }  // namespace
+
+DispatchPackPlan plan_dispatch_pack(const Tensor& x, const Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
+                                    int64_t granularity, int64_t rank_capacity, int64_t act_dtype, bool needs_grad) {
+  const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, E = num_experts;
+  const int64_t cols = E + R + 1;  // layout columns: per-expert slots, per-rank rows, bad ids
+  DispatchPackPlan plan{};
+  plan.T = T;
+  plan.TK = T * K;
+  plan.send_rows = send_buffer_rows(T, K, R, rank_capacity);
+  TORCH_CHECK(plan.TK < INT_MAX && E < INT_MAX / 2 && plan.send_rows < INT_MAX,
+              "fp8a2a: dispatch_pack on CUDA supports fewer than 2^31 slots and rows");
+  plan.layout = plan_dispatch_layout(plan.TK, R, cols, x.get_device());
+
+  DispatchShape& shape = plan.shape;  // the counts and the layout's tables: pointed at by the caller
+  shape.idx = topk_idx.data_ptr();
+  shape.wire = DispatchWire(DispatchRow(H, granularity, K), granularity);
+  shape.cap = rank_capacity;
+  shape.K = static_cast<int>(K);
+  shape.E = static_cast<int>(E);
+  shape.El = static_cast<int>(E / R);
+  shape.R = static_cast<int>(R);
+  shape.cols = static_cast<int>(cols);
+  shape.chunk_slots = static_cast<int>(plan.layout.chunk_slots);
+  shape.dtype = static_cast<int>(act_dtype);
+  shape.grad = needs_grad ? 1 : 0;
+
+  // Small batches (the host-bound regime): no layout kernel, each pack block routes its own token.
+  plan.route_smem = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
+  const size_t self_tables = self_smem_bytes(plan.TK, E, R, K);
+  plan.self_route = T > 0 && T <= kSelfMaxTokens && plan.TK <= kSelfMaxSlots && K <= kSelfMaxK &&
+                    plan.route_smem + self_tables <= static_cast<size_t>(kSmemDefault);
+  plan.smem = plan.route_smem + (plan.self_route ? self_tables : 0);
+  plan.idx64 = topk_idx.scalar_type() == at::kLong;
+  plan.vec = H % 16 == 0 && aligned16(x.data_ptr());
+  plan.send_bytes = plan.send_rows * shape.wire.bytes;
+  plan.alloc_bytes = plan.send_bytes + (plan.self_route ? 0 : plan.layout.scratch_bytes(plan.TK));
+  return plan;
+}
 
 std::tuple<Tensor, Tensor, Tensor> dispatch_pack_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
                                                       int64_t num_experts, int64_t num_ranks, int64_t granularity,
                                                       const std::optional<Tensor>& tensor_scale, int64_t rank_capacity,
                                                       bool needs_grad) {
-  const int64_t dtype = act_dtype_code(x_in);
   const Tensor x = check_dispatch_pack(x_in, topk_idx, topk_weights, num_experts, num_ranks, granularity, tensor_scale,
                                        rank_capacity);
-  const int64_t T = x.size(0), H = x.size(1), K = topk_idx.size(1), R = num_ranks, El = num_experts / num_ranks;
-  const DispatchRow L(H, granularity, K);
-  const int64_t TK = T * K;
-  const int64_t cols = num_experts + R + 1;  // per-expert slots, per-rank rows, bad ids
-  const int64_t send_rows = send_buffer_rows(T, K, R, rank_capacity);
-  TORCH_CHECK(TK < INT_MAX && num_experts < INT_MAX / 2 && send_rows < INT_MAX,
-              "fp8a2a: dispatch_pack on CUDA supports fewer than 2^31 slots and rows");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int device = x.get_device();
-
-  auto counts = at::empty({R, kColExperts + El}, x.options().dtype(at::kLong));
-  auto send_pos = at::empty({T, R}, x.options().dtype(at::kInt));
-  const LayoutPlan plan = plan_dispatch_layout(TK, R, cols, device);
-
-  // Small batches (the host-bound regime): no layout kernel, each pack block routes its own token.
-  const size_t route_bytes = route_smem_bytes(K, granularity == kBlock128 ? H / kBlock : 0);
-  const bool self_route = T > 0 && T <= kSelfMaxTokens && TK <= kSelfMaxSlots && K <= kSelfMaxK &&
-                          route_bytes + self_smem_bytes(TK, num_experts, R, K) <= static_cast<size_t>(kSmemDefault);
-
-  // The layout's int32 scratch lies in the send buffer's allocation, after the rows (one
-  // allocation less per call).
-  const int64_t send_bytes = send_rows * L.bytes;  // a multiple of kRowAlign: the scratch stays aligned
-  auto send_alloc = at::empty({send_bytes + (self_route ? 0 : plan.scratch_bytes(TK))}, x.options().dtype(at::kByte));
-  auto send = send_alloc.narrow(0, 0, send_rows * L.bytes).view({send_rows, L.bytes});
+  DispatchPackPlan plan = plan_dispatch_pack(x, topk_idx, num_experts, num_ranks, granularity, rank_capacity,
+                                             act_dtype_code(x_in), needs_grad);
+  const auto o = x.options();
+  auto counts = at::empty({num_ranks, kColExperts + num_experts / num_ranks}, o.dtype(at::kLong));
+  auto send_pos = at::empty({plan.T, num_ranks}, o.dtype(at::kInt));
+  const Tensor alloc = at::empty({plan.alloc_bytes}, o.dtype(at::kByte));
+  const Tensor send = plan.send(alloc);
+  plan.shape.counts = counts.data_ptr<int64_t>();
   // the kernels after the layout kernel start early and wait for it (programmatic dependent launch)
   const bool pdl = dispatch_early_launch_ok(device);
-  DispatchShape shape{};  // the layout's tables stay null on the self-routed path
-  shape.idx = topk_idx.data_ptr();
-  shape.wire = DispatchWire(L, granularity);
-  shape.cap = rank_capacity;
-  shape.dtype = static_cast<int>(dtype);
-  shape.grad = needs_grad ? 1 : 0;
-  shape.K = static_cast<int>(K);
-  shape.E = static_cast<int>(num_experts);
-  shape.El = static_cast<int>(El);
-  shape.R = static_cast<int>(R);
-  shape.cols = static_cast<int>(cols);
-  shape.chunk_slots = static_cast<int>(plan.chunk_slots);
-  shape.counts = counts.data_ptr<int64_t>();
-  if (!self_route) {
-    int* scratch = reinterpret_cast<int*>(send_alloc.data_ptr<uint8_t>() + send_bytes);
-    launch_dispatch_layout(shape, plan, scratch, TK, topk_idx.scalar_type() == at::kLong, pdl, stream, device);
-  }
-  if (T == 0) return {send, counts, send_pos};
-
-  PackParams p{shape};
-  p.x = x.data_ptr();
-  p.w = topk_weights.data_ptr<float>();
-  p.tscale = granularity == kTensor ? tensor_scale->data_ptr<float>() : nullptr;
-  p.tscale_q = granularity == kTensor && tensor_scale->numel() == 2;
-  p.send = send.data_ptr<uint8_t>();
-  p.send_pos = send_pos.data_ptr<int>();
-  p.T = T;
-  p.vec = H % 16 == 0 && aligned16(x.data_ptr());
-  p.self_off = static_cast<int>(route_bytes);
-  const size_t smem = route_bytes + (self_route ? self_smem_bytes(TK, num_experts, R, K) : 0);
-  auto launch_pack = [&](auto kernel, int threads) {
-    ensure_smem(kernel, smem, device, "dispatch_pack");
-    launch_kernel(kernel, T, threads, smem, stream, pdl && !self_route, p);
-  };
-  auto launch = [&](auto idx_tag, auto self_tag) {
-    using IdxT = decltype(idx_tag);
-    constexpr bool SELF = decltype(self_tag)::value;
-    if (granularity == kRaw) {
-      launch_pack(dispatch_pack_raw_kernel<IdxT, SELF>,
-                  static_cast<int>(std::min<int64_t>(512, round_up32(p.vec ? H / 16 : H))));
-      return;
-    }
-    const int64_t U = H / 16;
-    const int upt = p.vec ? units_per_thread(U, /*prefer2=*/true) : 0;
-    FP8A2A_DISPATCH_FLOAT(x.scalar_type(), "dispatch_pack", [&] {
-      if (upt == 1) launch_pack(dispatch_pack_vec_kernel<scalar_t, IdxT, 1, SELF>, threads_for(U, 1));
-      else if (upt == 2) launch_pack(dispatch_pack_vec_kernel<scalar_t, IdxT, 2, SELF>, threads_for(U, 2));
-      else launch_pack(dispatch_pack_scalar_kernel<scalar_t, IdxT, SELF>, 256);
-    });
-  };
-  const bool wide = topk_idx.scalar_type() == at::kLong;
-  if (wide && self_route) launch(int64_t{}, std::true_type{});
-  else if (wide) launch(int64_t{}, std::false_type{});
-  else if (self_route) launch(int32_t{}, std::true_type{});
-  else launch(int32_t{}, std::false_type{});
+  if (!plan.self_route)
+    launch_dispatch_layout(plan.shape, plan.layout, plan.scratch(alloc), plan.TK, plan.idx64, pdl, stream, device);
+  if (plan.T > 0)
+    launch_pack(plan, pack_params(plan, x, topk_weights, tensor_scale, send, send_pos), x.scalar_type(), pdl, stream,
+                device);
   return {send, counts, send_pos};
 }
 

@@ -48,63 +48,139 @@ __device__ __forceinline__ int64_t warp_exclusive_scan(int64_t* v, int n) {
   return carry;
 }
 
-__global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  int64_t* s_counts = reinterpret_cast<int64_t*>(smem);  // [R, C]
-  int64_t* s_base = s_counts + p.R * p.C;                  // [R, El] first expert-major row of (r, e)
-  int64_t* s_est = s_base + p.R * p.El;                    // [El] tokens per expert, then expert start
-  int64_t* s_rst = s_est + p.El;                           // [R + 1] first received row of each rank
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
-  int* s_tgt = reinterpret_cast<int*>(s_rst + p.R + 1) + warp * p.K;
-  const bool capacity = p.ecap > 0;
+// The offset tables every block builds from recv_counts in its shared memory (a few hundred
+// int64), and this warp's list of a row's targets.
+struct UnpackTables {
+  int64_t* counts;  // [R, C] recv_counts
+  int64_t* base;    // [R, El] first expert-major row of (source rank r, local expert e)
+  int64_t* est;     // [El] tokens per expert, then (scanned) each expert's first row
+  int64_t* rst;     // [R + 1] first received row of each source rank; [R]: the rows in all
+  int* tgt;         // [K] this warp's: the expert rows the received row at hand goes to
+};
 
-  // ---- tables (a few hundred int64: every block builds its own copy) ----
+__device__ __forceinline__ UnpackTables build_unpack_tables(const UnpackParams& p, unsigned char* smem) {
+  UnpackTables tb;
+  tb.counts = reinterpret_cast<int64_t*>(smem);
+  tb.base = tb.counts + p.R * p.C;
+  tb.est = tb.base + p.R * p.El;
+  tb.rst = tb.est + p.El;
+  tb.tgt = reinterpret_cast<int*>(tb.rst + p.R + 1) + (threadIdx.x >> 5) * p.K;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, W = blockDim.x >> 5;
   for (int i = threadIdx.x; i < p.R * p.C; i += blockDim.x)
-    s_counts[i] = __ldg(reinterpret_cast<const long long*>(p.counts) + i);
+    tb.counts[i] = __ldg(reinterpret_cast<const long long*>(p.counts) + i);
   __syncthreads();
   for (int e = threadIdx.x; e < p.El; e += blockDim.x) {
     int64_t sum = 0;
-    for (int r = 0; r < p.R; ++r) sum += s_counts[r * p.C + kColExperts + e];
-    s_est[e] = sum;
+    for (int r = 0; r < p.R; ++r) sum += tb.counts[r * p.C + kColExperts + e];
+    tb.est[e] = sum;
     if (blockIdx.x == 0) p.tpe[e] = sum;
   }
-  for (int r = threadIdx.x; r < p.R; r += blockDim.x) s_rst[r] = s_counts[r * p.C + kColRows];
+  for (int r = threadIdx.x; r < p.R; r += blockDim.x) tb.rst[r] = tb.counts[r * p.C + kColRows];
   __syncthreads();
-  if (warp == 0) warp_exclusive_scan(s_est, p.El);
+  if (warp == 0) warp_exclusive_scan(tb.est, p.El);
   if (warp == W - 1) {
-    const int64_t total = warp_exclusive_scan(s_rst, p.R);
-    if (lane == 0) s_rst[p.R] = total;
+    const int64_t total = warp_exclusive_scan(tb.rst, p.R);
+    if (lane == 0) tb.rst[p.R] = total;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < p.El; e += blockDim.x) {
-    int64_t run = s_est[e];
+    int64_t run = tb.est[e];
     for (int r = 0; r < p.R; ++r) {
       // Capacity mode: expert e owns rows [e * R * C, (e + 1) * R * C), source r a slice of C.
-      s_base[r * p.El + e] = capacity ? (static_cast<int64_t>(e) * p.R + r) * p.ecap : run;
-      run += s_counts[r * p.C + kColExperts + e];
+      tb.base[r * p.El + e] = p.ecap > 0 ? (static_cast<int64_t>(e) * p.R + r) * p.ecap : run;
+      run += tb.counts[r * p.C + kColExperts + e];
     }
   }
   __syncthreads();
+  return tb;
+}
 
+// The source rank of received row i, or -1 when no source announced it.
+__device__ __forceinline__ int source_rank(const UnpackParams& p, const UnpackTables& tb, int64_t i) {
+  if (p.ecap > 0) {
+    const int64_t rr = i / p.rcap;
+    return rr < p.R && i - rr * p.rcap < tb.counts[rr * p.C + kColRows] ? static_cast<int>(rr) : -1;
+  }
+  if (i >= tb.rst[p.R]) return -1;
+  int lo = 0, hi = p.R - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tb.rst[mid] <= i) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Row i's slots (from source rank r; -1: none): the expert rows they go to, listed in tb.tgt (in
+// slot order); part 0 also writes slot_pos, and each target's weight and source row. Slots whose
+// expert or position is out of range are skipped. Returns the number of targets.
+__device__ __forceinline__ int row_targets(const UnpackParams& p, const UnpackTables& tb, int64_t i, int r,
+                                           int part) {
+  const int lane = threadIdx.x & 31;
+  const uint8_t* row = p.recv + i * p.wire.bytes;
+  int ntgt = 0;
+  for (int k0 = 0; k0 < p.K; k0 += 32) {
+    const int k = k0 + lane;
+    int n = -1;
+    float wt = 0.0f;
+    if (k < p.K && r >= 0) {
+      const int ex = __ldg(reinterpret_cast<const int*>(row + p.wire.expert_off) + k);
+      const int ps = __ldg(reinterpret_cast<const int*>(row + p.wire.pos_off) + k);
+      if (ex >= 0 && ex < p.El && ps >= 0 && ps < tb.counts[r * p.C + kColExperts + ex] && (p.ecap <= 0 || ps < p.ecap)) {
+        const int64_t nn = tb.base[r * p.El + ex] + ps;
+        if (nn >= 0 && nn < p.N) n = static_cast<int>(nn);
+      }
+      wt = __ldg(reinterpret_cast<const float*>(row + p.wire.weight_off) + k);
+    }
+    if (part == 0) {
+      if (k < p.K) p.slot_pos[i * p.K + k] = n;
+      if (n >= 0) {
+        p.weights[n] = wt;
+        p.row_src[n] = static_cast<int>(i);
+      }
+    }
+    const unsigned m = __ballot_sync(kFull, n >= 0);
+    if (n >= 0) tb.tgt[ntgt + __popc(m & ((1u << lane) - 1u))] = n;
+    ntgt += __popc(m);
+  }
+  __syncwarp();
+  return ntgt;
+}
+
+// Capacity mode: the padding rows (past each (source, expert) count) are zero (data, scales,
+// weight) with no source (-1); warp gwarp of nwarps takes every nwarps-th row.
+__device__ __forceinline__ void zero_padding_rows(const UnpackParams& p, const UnpackTables& tb, int64_t gwarp,
+                                                  int64_t nwarps) {
+  const int lane = threadIdx.x & 31;
+  const int64_t U = p.wire.hidden / 16, seg = static_cast<int64_t>(p.R) * p.ecap;
+  for (int64_t n = gwarp; n < p.N; n += nwarps) {
+    const int64_t e = n / seg, rem = n - e * seg, r = rem / p.ecap, pos = rem - r * p.ecap;
+    if (pos < tb.counts[r * p.C + kColExperts + e]) continue;  // a real row, written by row_targets' warp
+    if (p.vec) {
+      for (int64_t v = lane; v < U; v += 32)
+        reinterpret_cast<uint4*>(p.data + n * p.wire.hidden)[v] = make_uint4(0, 0, 0, 0);
+    } else {
+      for (int64_t hh = lane; hh < p.wire.hidden; hh += 32) p.data[n * p.wire.hidden + hh] = 0;
+    }
+    for (int c = lane; c < p.wire.num_scales; c += 32) p.scale[n * p.wire.num_scales + c] = 0.0f;
+    if (lane == 0) {
+      p.weights[n] = 0.0f;
+      p.row_src[n] = -1;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const UnpackTables tb = build_unpack_tables(p, smem);
+  const int lane = threadIdx.x & 31, W = blockDim.x >> 5;
   const int64_t U = p.wire.hidden / 16;
-  const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * W + warp, nwarps = static_cast<int64_t>(gridDim.x) * W;
+  const int64_t gwarp = static_cast<int64_t>(blockIdx.x) * W + (threadIdx.x >> 5);
+  const int64_t nwarps = static_cast<int64_t>(gridDim.x) * W;
   for (int64_t item = gwarp; item < p.Nr * p.split; item += nwarps) {
     const int64_t i = item / p.split;
     const int part = static_cast<int>(item - i * p.split);  // this warp's share of row i's targets
-    // source rank of row i, or -1 when no source announced it
-    int r = -1;
-    if (capacity) {
-      const int64_t rr = i / p.rcap;
-      if (rr < p.R && i - rr * p.rcap < s_counts[rr * p.C + kColRows]) r = static_cast<int>(rr);
-    } else if (i < s_rst[p.R]) {
-      int lo = 0, hi = p.R - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (s_rst[mid] <= i) lo = mid;
-        else hi = mid - 1;
-      }
-      r = lo;
-    }
+    const int r = source_rank(p, tb, i);
     const uint8_t* row = p.recv + i * p.wire.bytes;
     const uint4* src = reinterpret_cast<const uint4*>(row);
     constexpr int PB = 8;  // 16-byte loads in flight per lane
@@ -115,35 +191,10 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
       for (int a = 0; a < PB; ++a)
         if (lane + a * 32 < U) buf[a] = __ldg(src + lane + a * 32);
     }
-    int ntgt = 0;
-    for (int k0 = 0; k0 < p.K; k0 += 32) {
-      const int k = k0 + lane;
-      int n = -1;
-      float wt = 0.0f;
-      if (k < p.K && r >= 0) {
-        const int ex = __ldg(reinterpret_cast<const int*>(row + p.wire.expert_off) + k);
-        const int ps = __ldg(reinterpret_cast<const int*>(row + p.wire.pos_off) + k);
-        if (ex >= 0 && ex < p.El && ps >= 0 && ps < s_counts[r * p.C + kColExperts + ex] && (!capacity || ps < p.ecap)) {
-          const int64_t nn = s_base[r * p.El + ex] + ps;
-          if (nn >= 0 && nn < p.N) n = static_cast<int>(nn);
-        }
-        wt = __ldg(reinterpret_cast<const float*>(row + p.wire.weight_off) + k);
-      }
-      if (part == 0) {
-        if (k < p.K) p.slot_pos[i * p.K + k] = n;
-        if (n >= 0) {
-          p.weights[n] = wt;
-          p.row_src[n] = static_cast<int>(i);
-        }
-      }
-      const unsigned m = __ballot_sync(kFull, n >= 0);
-      if (n >= 0) s_tgt[ntgt + __popc(m & ((1u << lane) - 1u))] = n;
-      ntgt += __popc(m);
-    }
-    __syncwarp();
+    const int ntgt = row_targets(p, tb, i, r, part);
     if (part >= ntgt) continue;  // nothing of this row for this warp (uniform across the warp)
     for (int j = part; j < ntgt; j += p.split) {
-      const int64_t n = s_tgt[j];
+      const int64_t n = tb.tgt[j];
       for (int c = lane; c < p.wire.num_scales; c += 32)
         p.scale[n * p.wire.num_scales + c] = __ldg(reinterpret_cast<const float*>(row + p.wire.scale_off) + c);
     }
@@ -156,7 +207,7 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
             if (v0 + a * 32 < U) buf[a] = __ldg(src + v0 + a * 32);
         }
         for (int j = part; j < ntgt; j += p.split) {
-          uint4* dst = reinterpret_cast<uint4*>(p.data + static_cast<int64_t>(s_tgt[j]) * p.wire.hidden);
+          uint4* dst = reinterpret_cast<uint4*>(p.data + static_cast<int64_t>(tb.tgt[j]) * p.wire.hidden);
 #pragma unroll
           for (int a = 0; a < PB; ++a)
             if (v0 + a * 32 < U) dst[v0 + a * 32] = buf[a];
@@ -165,32 +216,12 @@ __global__ void __launch_bounds__(256) dispatch_unpack_kernel(UnpackParams p) {
     } else {
       for (int64_t hh = lane; hh < p.wire.hidden; hh += 32) {
         const uint8_t b = row[hh];
-        for (int j = part; j < ntgt; j += p.split) p.data[static_cast<int64_t>(s_tgt[j]) * p.wire.hidden + hh] = b;
+        for (int j = part; j < ntgt; j += p.split) p.data[static_cast<int64_t>(tb.tgt[j]) * p.wire.hidden + hh] = b;
       }
     }
     __syncwarp();
   }
-
-  // ---- capacity mode: padding rows are zero (data, scales, weight) with no source (-1) ----
-  if (capacity) {
-    const int64_t seg = static_cast<int64_t>(p.R) * p.ecap;
-    for (int64_t n = gwarp; n < p.N; n += nwarps) {
-      const int64_t e = n / seg, rem = n - e * seg, r = rem / p.ecap, pos = rem - r * p.ecap;
-      const int64_t cnt = s_counts[r * p.C + kColExperts + e];
-      if (pos < cnt) continue;  // a real row, written above
-      if (p.vec) {
-        for (int64_t v = lane; v < U; v += 32)
-          reinterpret_cast<uint4*>(p.data + n * p.wire.hidden)[v] = make_uint4(0, 0, 0, 0);
-      } else {
-        for (int64_t hh = lane; hh < p.wire.hidden; hh += 32) p.data[n * p.wire.hidden + hh] = 0;
-      }
-      for (int c = lane; c < p.wire.num_scales; c += 32) p.scale[n * p.wire.num_scales + c] = 0.0f;
-      if (lane == 0) {
-        p.weights[n] = 0.0f;
-        p.row_src[n] = -1;
-      }
-    }
-  }
+  if (p.ecap > 0) zero_padding_rows(p, tb, gwarp, nwarps);
 }
 
 }  // namespace
