@@ -13,7 +13,7 @@ from . import exchange, ops
 from .autograd import combine_rows, dispatch_rows
 from .exchange import ExchangeSpec, Layout, Route
 from .quant import QuantizedTensor, checked_tensor_scale, dequantize
-from .wire import Granularity
+from .wire import Granularity, blocks_error, fits_blocks
 
 DispatchHandle = Layout  # what dispatch returns for combine and the backward passes
 
@@ -338,8 +338,8 @@ class Dispatcher:
         if error is not None:
             raise error
         # checked whatever wire this call takes: a rank under the size threshold must fail like the others
-        if self.code == Granularity.BLOCK128 and x.shape[1] % 128:
-            raise ValueError(f"fp8a2a: block128 granularity needs hidden % 128 == 0, got hidden={x.shape[1]}")
+        if self.code == Granularity.BLOCK128 and not fits_blocks(x.shape[1]):
+            raise ValueError(blocks_error(x.shape[1]))
 
     def _fail_peers(self, amax_pending: bool = False):
         """This rank rejected its dispatch input: make the peers raise too (exchange.fail_dispatch)."""
