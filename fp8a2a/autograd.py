@@ -91,16 +91,10 @@ class _CombineFn(torch.autograd.Function):
         h: Layout = ctx.layout
         expert_out, weights = ctx.saved_tensors
         data, scale, wire = exchange.redispatch(grad_y, h)
-        raw = wire == Granularity.RAW
-        dtype = ctx.out_dtype
-        if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
-            return (data.to(dtype) if raw else ops.dequantize(data, scale, dtype)), None, None
-        w = weights.detach()
-        gf = data.float() if raw else None
-        # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
-        grad_out = (gf * w.unsqueeze(1)).to(dtype) if raw else ops.dequantize(data, scale * w, dtype)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            gf = gf if raw else ops.dequantize(data, scale, torch.float32)
-            grad_w = (gf * expert_out.float()).sum(1)
-        return grad_out, grad_w, None
+        # one pass over dy's rows: the (weighted) gradient of expert_out and, where the router
+        # weights need one, their gradient dy . expert_out per row, reduced in float32 in the kernel
+        want_w = weights is not None and ctx.needs_input_grad[1]
+        grad_out, grad_w = ops.combine_backward_rows(
+            data, None if wire == Granularity.RAW else scale, None if weights is None else weights.detach(),
+            expert_out.contiguous() if want_w else None, ctx.out_dtype)
+        return grad_out, (grad_w if want_w else None), None

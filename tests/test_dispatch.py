@@ -177,6 +177,94 @@ def test_single_process(name):
     scenario(0, 1, {**BASE, **CASES[name]})
 
 
+def training_step(rank, world, cfg):
+    """Dispatch + combine forward and backward as a training step runs them: x and the router
+    weights require grad, expert e returns (e + 1) * its rows (dequantized to rows_dtype), combine
+    applies the weights (or, apply_weights=False, the experts multiply by out.weights). x.grad,
+    topk_weights.grad and the expert rows' gradient against float64 references of what crosses
+    the wire (dy as its FP8 rows on an FP8 wire, straight-through quantization)."""
+    E, K, H, dtype, raw = cfg["experts"], cfg["topk"], cfg["hidden"], cfg["dtype"], cfg["raw"]
+    rows_dtype, apply_weights = cfg.get("rows_dtype", dtype), cfg.get("apply_weights", True)
+    xs, idxs, ws = make_inputs(world, cfg["tokens"], H, E, K, dtype)
+    gs = [torch.randn(x.shape, generator=torch.Generator().manual_seed(200 + r)).to(dtype) for r, x in enumerate(xs)]
+    d = fp8a2a.Dispatcher(E, bf16_below_bytes=(1 << 40) if raw else 0)
+    dev = cfg.get("device", "cpu")
+    x, w = xs[rank].to(dev, copy=True).requires_grad_(), ws[rank].to(dev, copy=True).requires_grad_()
+    out = d.dispatch(x, idxs[rank].to(dev), w)
+    assert isinstance(out.tokens, torch.Tensor) == raw
+    per_rank = E // world
+    local = torch.repeat_interleave(torch.arange(per_rank, device=dev), out.tokens_per_expert)
+    factor = (rank * per_rank + local + 1).to(rows_dtype).unsqueeze(1)
+    expert_out = out.dequantized(rows_dtype) * factor
+    if not apply_weights:  # Megatron's way: the experts apply the weights
+        expert_out = expert_out * out.weights.unsqueeze(1).to(rows_dtype)
+    if cfg.get("strided"):  # expert rows as a non-contiguous view: combine (and its backward) take it
+        expert_out = expert_out.t().contiguous().t()
+        assert not expert_out.is_contiguous()
+    expert_out.retain_grad()
+    y = d.combine(expert_out, out.handle, apply_weights=apply_weights)
+    if dev == "cpu":
+        y.backward(gs[rank])
+    else:  # the backward makes no host sync
+        dy = gs[rank].to(dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y.backward(dy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    gx, gw, g_rows = x.grad.cpu(), w.grad.cpu(), expert_out.grad.cpu()
+
+    # float64 references. dy as the experts receive it: its row-quantized FP8 rows, or itself.
+    gq = [g.double() if raw else dequantize_reference(*quantize_reference(g, "row"), torch.float64) for g in gs]
+    views = quantized_view(xs, "row", raw)  # each source's rows as dispatched
+    # expert rows as the experts computed them (expert e: (e + 1) * rows in rows_dtype), per slot
+    slot_rows = [(v.to(rows_dtype).unsqueeze(1) * torch.where(i >= 0, i + 1, 0).to(rows_dtype).unsqueeze(2)).double()
+                 for v, i in zip(views, idxs)]
+    idx, wr = idxs[rank], ws[rank].double()
+    f = torch.where(idx >= 0, idx + 1, 0).double()
+    gx_ref = (wr * f).sum(1, keepdim=True) * gq[rank]
+    gw_ref = torch.where(idx >= 0, (slot_rows[rank] * gq[rank].unsqueeze(1)).sum(2), 0.0)
+    _, _, _, origin = expert_major_reference(views, idxs, ws, rank, E, world)
+    want_rows = torch.stack([ws[s][t, k].double() * gq[s][t] if apply_weights else gq[s][t] for s, t, k in origin]) \
+        if origin else torch.zeros(0, H, dtype=torch.float64)
+    assert expert_out.dtype == rows_dtype and gx.dtype == dtype and gw.dtype == torch.float32
+    eps = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -24}
+    if want_rows.numel():  # the expert rows' gradient: one rounding to rows_dtype of its float32 value
+        assert rel(g_rows, want_rows) < eps[rows_dtype], rel(g_rows, want_rows)
+    if gx.numel():
+        # the rows' gradients into rows_dtype and the summed one into x's dtype; the float32 sums
+        tol = 2 * eps[dtype] + 4 * eps[rows_dtype] + 1e-6
+        assert rel(gx, gx_ref) < tol, (rel(gx, gx_ref), tol)
+        # the router weights' gradient: a float32 dot over the hidden size per slot (the experts'
+        # own multiply by the weights: autograd's, in rows_dtype)
+        mag = (slot_rows[rank].abs() * gq[rank].abs().unsqueeze(1)).sum(2)
+        tol = 1e-5 if apply_weights else 4 * eps[rows_dtype]
+        assert bool(((gw.double() - gw_ref).abs() <= tol * mag + 1e-30).all()), (gw, gw_ref)
+        assert torch.all(gw[idx < 0] == 0)
+    return out.handle.num_rows
+
+
+TRAIN_BASE = dict(experts=8, topk=4, hidden=256, tokens=24)
+TRAIN_CASES = {f"{wire}-{str(dt)[6:]}": dict(raw=wire == "raw", dtype=dt)
+               for wire in ("fp8", "raw") for dt in (torch.bfloat16, torch.float16, torch.float32)}
+TRAIN_CASES.update({"fp8-bfloat16-rows-float32": dict(raw=False, dtype=torch.bfloat16, rows_dtype=torch.float32),
+                    "fp8-bfloat16-experts-weigh": dict(raw=False, dtype=torch.bfloat16, apply_weights=False),
+                    "raw-float16-experts-weigh": dict(raw=True, dtype=torch.float16, apply_weights=False),
+                    "fp8-bfloat16-hidden200": dict(raw=False, dtype=torch.bfloat16, hidden=200),
+                    "fp8-float16-strided-rows": dict(raw=False, dtype=torch.float16, strided=True)})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_training_step_gradients(world, name):
+    cfg = {**TRAIN_BASE, **TRAIN_CASES[name]}
+    if world == 1:  # without torch.distributed, as the GPU benchmarks run
+        training_step(0, 1, cfg)
+    else:
+        run_ranks(world, training_step, cfg)
+
+
 def test_mixed_sizes_agree_on_one_wire_format():
     # Rank 1 is under the BF16 threshold, rank 0 is not: both must send FP8.
     def fn(rank, world):
