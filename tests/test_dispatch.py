@@ -265,6 +265,70 @@ def test_training_step_gradients(world, name):
         run_ranks(world, training_step, cfg)
 
 
+def test_float32_rows_hand_their_gradient_to_dispatch_uncast(monkeypatch):
+    """bfloat16 x, rows dequantized to float32: their gradient reaches dispatch's backward in float32
+    (no [N, H] cast to bfloat16 first; combine_pack sums it as it is). Rows dequantized to both
+    dtypes: the two gradients add up."""
+    from fp8a2a import exchange
+    seen = []
+    real = exchange.combine
+
+    def spy(rows, *args, **kwargs):
+        seen.append(rows.dtype)
+        return real(rows, *args, **kwargs)
+    monkeypatch.setattr(exchange, "combine", spy)
+    xs, idxs, ws = make_inputs(1, 16, 128, 8, 2, torch.bfloat16)
+    d = fp8a2a.Dispatcher(8, bf16_below_bytes=0)
+    grads = {}
+    for dtypes in ((torch.float32,), (torch.bfloat16,), (torch.float32, torch.bfloat16)):
+        x = xs[0].clone().requires_grad_()
+        out = d.dispatch(x, idxs[0], ws[0])
+        seen.clear()
+        sum(out.dequantized(dt).float().sum(1) * (i + 2) for i, dt in enumerate(dtypes)).sum().backward()
+        assert seen == [torch.float32 if torch.float32 in dtypes else torch.bfloat16], (dtypes, seen)
+        grads[dtypes] = x.grad.float()
+    # each row's gradient is 2 (float32 rows) or 3 (bfloat16 rows): per token, 2 or 5 times its slots
+    slots = (idxs[0] >= 0).sum(1, keepdim=True).float()
+    assert torch.equal(grads[(torch.float32,)], (2 * slots).expand(-1, 128))
+    assert torch.equal(grads[(torch.float32, torch.bfloat16)], (5 * slots).expand(-1, 128))
+    x32 = xs[0].float().requires_grad_()  # float32 x: one carrier, the float32 rows use it
+    assert d.dispatch(x32, idxs[0], ws[0]).tokens.grad_anchor_float32 is None
+
+
+def test_backward_fills_no_zeros_for_outputs_without_a_gradient():
+    """Autograd's default hands a Function zeros for each output without a gradient, even the
+    non-differentiable ones: [N, H] for the e4m3 rows on every dispatch backward. Not any more."""
+    from torch.profiler import ProfilerActivity, profile
+    xs, idxs, ws = make_inputs(1, 64, 512, 32, 8, torch.bfloat16)
+    x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
+    d = fp8a2a.Dispatcher(32, bf16_below_bytes=0)
+    out = d.dispatch(x, idxs[0], w)
+    y = d.combine(out.dequantized(), out.handle)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        y.backward(torch.ones_like(y))
+    n = out.handle.num_rows
+    filled = [e.input_shapes[0] for e in prof.events() if e.name == "aten::zero_"]
+    assert [n, 512] not in filled and [n] not in filled, filled
+
+
+def _weights_only(rank, world, weights_grad=True):
+    xs, idxs, ws = make_inputs(world, 12, 64, 8, 2, torch.bfloat16)
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_(weights_grad)
+    out = fp8a2a.Dispatcher(8, bf16_below_bytes=0).dispatch(x, idxs[rank], w)
+    (out.weights * 3).sum().backward()  # the rows get no gradient
+    if weights_grad:
+        assert torch.equal(w.grad, torch.where(idxs[rank] >= 0, 3.0, 0.0))
+    return None if x.grad is None else bool((x.grad == 0).all())
+
+
+def test_router_weights_gradient_without_a_row_gradient():
+    """Only out.weights is used: the weights' gradient comes back, x's is zeros (rows of zeros carry
+    the weights' column). With nothing to send and no peer, dispatch's backward makes nothing: no
+    [N, H] zeros, x gets no gradient."""
+    assert [_weights_only(0, 1)] + run_ranks(2, _weights_only) == [True] * 3
+    assert _weights_only(0, 1, weights_grad=False) is None
+
+
 def test_mixed_sizes_agree_on_one_wire_format():
     # Rank 1 is under the BF16 threshold, rank 0 is not: both must send FP8.
     def fn(rank, world):
