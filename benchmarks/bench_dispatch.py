@@ -1,7 +1,14 @@
 """fp8a2a dispatch + combine against megatron-core's `alltoall` dispatcher at its best realistic
-configuration, same run, one GPU (world size 1).
+configuration, same run, one GPU (world size 1). The headline is the training step.
 
 Variants, per point (a row that cannot be built or captured says "unavailable: <reason>"):
+  training step (forward + backward; x and the router weights require grad, y.backward(dy)):
+            fp8a2a_train          fp8a2a.Dispatcher, FP8 wire: identity experts (out.dequantized() rows
+                                  into combine), the router weights applied in combine
+            megatron_fused_train  MoEAlltoAllTokenDispatcher with moe_permute_fusion: identity experts
+                                  that multiply the rows by their probs (as Megatron's experts apply them)
+            megatron_train        the same without moe_permute_fusion
+  inference (forward only; --grad: its inputs require grad, nothing runs backward):
   dropless  megatron_fused      MoEAlltoAllTokenDispatcher with moe_permute_fusion (TE's fused permute)
             megatron            the same without moe_permute_fusion
             fp8a2a              fp8a2a.Dispatcher, FP8 wire (bf16_below_bytes=0)
@@ -11,17 +18,19 @@ Variants, per point (a row that cannot be built or captured says "unavailable: <
             fp8a2a_cap          fp8a2a capacity mode (capacity_factor=1.0), eager
             fp8a2a_cap_graph    the same, replayed from a CUDA graph
 Megatron's drop runs in its router (apply_router_token_dropping), once, outside the timing;
-fp8a2a's is inside its dispatch. No expert compute on either side (a fixed tensor of the
-dispatched rows' shape goes to combine). Ratios: fp8a2a / Megatron, per run, eager vs eager and
+fp8a2a's is inside its dispatch. No expert compute on either side (inference: a fixed tensor of
+the dispatched rows' shape goes to combine). Ratios: fp8a2a / Megatron, per run, eager vs eager and
 graph vs graph.
 
 Timing: see fp8a2a.bench.TIMING (device time of calls launched back to back, not wall time from an idle
 GPU). --repeat N runs the whole measurement N times in one process, the variants' order rotating
 from run to run; per run the median over --iters calls; every figure is the median [min-max] of
 the run medians. Host syncs, D2H copies, kernels and copies/memsets: fp8a2a.bench.costs, from
-torch.profiler events of one call after warm-up.
+torch.profiler events of one call after warm-up; for the training rows also of the forward and of
+the backward alone, with the kernels that took the most device time in each (where each
+millisecond of the step goes).
 
-    python benchmarks/bench_dispatch.py [--repeat 3] [--json OUT.json]
+    python benchmarks/bench_dispatch.py --points ws1-4096,ws1-128 [--repeat 3] [--json OUT.json]
     python benchmarks/bench_dispatch.py --cpu     functional only: tiny shapes, no CUDA
 Needs megatron-core for the Megatron rows and TransformerEngine for moe_permute_fusion.
 """
@@ -37,7 +46,8 @@ import torch.distributed as dist
 
 import fp8a2a
 from fp8a2a import ops
-from fp8a2a.bench import TIMING, capture_cuda_graph, host_reference_us, profile_call, spread, time_calls
+from fp8a2a.bench import (TIMING, capture_cuda_graph, host_reference_us, profile_call, spread, time_calls,
+                          top_ops)
 from fp8a2a.wire import CountsCol, Granularity
 
 EMULATION = (
@@ -52,14 +62,20 @@ WS1 = [dict(name="ws1-4096", tokens=4096, hidden=7168, experts=256, topk=8, ws1=
        dict(name="ws1-128", tokens=128, hidden=7168, experts=256, topk=8, ws1=True, emulates="world size 1")]
 EP_RUNS = [("deepseek-v3", 4096, 7168, 256, 8, 8), ("deepseek-v3", 4096, 7168, 256, 8, 32),
            ("qwen3-235b", 4096, 4096, 128, 8, 8), ("mixtral-8x7b", 4096, 4096, 8, 2, 8)]
-VARIANTS = ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph", "fp8a2a_cap",
-            "fp8a2a_cap_graph"]
+TRAIN_VARIANTS = ["fp8a2a_train", "megatron_fused_train", "megatron_train"]
+VARIANTS = TRAIN_VARIANTS + ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph",
+                             "fp8a2a_cap", "fp8a2a_cap_graph"]
 GRAPHED = ("megatron_pad_graph", "fp8a2a_cap_graph")  # replayed from a CUDA graph; the others run eager
-# The processes scripts/gpu_session.sh runs (--list-groups), each over every point: the graph rows
-# apart from the eager ones, since a fault in a replay leaves the process's CUDA context unusable.
-VARIANT_GROUPS = [[v for v in VARIANTS if v not in GRAPHED], list(GRAPHED)]
-RATIOS = [("fp8a2a", "megatron_fused"), ("fp8a2a", "megatron"), ("fp8a2a_cap", "megatron_pad"),
+# The processes scripts/gpu_session.sh runs (--list-groups), each over every point: the training
+# rows (the headline), the eager inference rows, and the graph rows apart from the eager ones, since a
+# fault in a replay leaves the process's CUDA context unusable.
+VARIANT_GROUPS = [list(TRAIN_VARIANTS), [v for v in VARIANTS if v not in GRAPHED and v not in TRAIN_VARIANTS],
+                  list(GRAPHED)]
+RATIOS = [("fp8a2a_train", "megatron_fused_train"), ("fp8a2a_train", "megatron_train"),
+          ("fp8a2a", "megatron_fused"), ("fp8a2a", "megatron"), ("fp8a2a_cap", "megatron_pad"),
           ("fp8a2a_cap_graph", "megatron_pad_graph")]
+TOP_KERNELS = 8  # kernels per phase in the report's breakdown of a training step
+NAME_W = 22  # the report's variant column
 CAPACITY_FACTOR = 1.0
 NOT_SELECTED = "not selected (--variants)"
 
@@ -120,6 +136,35 @@ def _reason(e):
 
 # ---- the two sides --------------------------------------------------------------------------
 
+class TrainStep:
+    """One training step: forward() -> y, then backward(y): y.backward(dy), the leaves' gradients
+    reset first (each step computes them afresh). A call runs both; the phases are profiled apart."""
+
+    def __init__(self, forward, leaves, dy):
+        self.forward, self.leaves, self.dy = forward, leaves, dy
+
+    def backward(self, y):
+        for t in self.leaves:
+            t.grad = None
+        y.backward(self.dy)
+
+    def __call__(self):
+        y = self.forward()
+        self.backward(y)
+        return y
+
+
+def fp8a2a_train_step(x, idx, w, experts, dy):
+    """fp8a2a dispatch + identity experts (the dequantized rows) + combine with the router weights,
+    forward + backward; x and w require grad."""
+    d = fp8a2a.Dispatcher(experts, bf16_below_bytes=0)
+
+    def forward():
+        out = d.dispatch(x, idx, w)
+        return d.combine(out.dequantized(x.dtype), out.handle)
+    return TrainStep(forward, (x, w), dy)
+
+
 def fp8a2a_step(x, idx, w, experts, **kw):
     """One fp8a2a dispatch + combine; the experts' output is a fixed random tensor of the right shape."""
     d = fp8a2a.Dispatcher(experts, bf16_below_bytes=0, **kw)
@@ -142,9 +187,8 @@ class Megatron:
         except Exception as e:  # noqa: BLE001
             self.te, self.te_error = None, _reason(e)
 
-    def step(self, p, x, rmap, probs, fused=False, pad=False):
+    def dispatcher(self, p, fused, pad):
         from megatron.core.process_groups_config import ProcessGroupCollection
-        from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
         from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
         from megatron.core.transformer.transformer_config import TransformerConfig
         if fused and self.te is None:
@@ -156,7 +200,11 @@ class Megatron:
                                 moe_pad_expert_input_to_capacity=pad, bf16=True, params_dtype=torch.bfloat16,
                                 add_bias_linear=False)
         pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["ep", "expt_tp", "tp_ep", "tp"])
-        d = MoEAlltoAllTokenDispatcher(e, list(range(e)), cfg, pg_collection=pgs)
+        return MoEAlltoAllTokenDispatcher(e, list(range(e)), cfg, pg_collection=pgs)
+
+    def step(self, p, x, rmap, probs, fused=False, pad=False):
+        from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+        d, k = self.dispatcher(p, fused, pad), p["topk"]
         if pad:  # the router's drop-and-pad: exactly `capacity` tokens per expert
             probs, rmap = apply_router_token_dropping(probs, rmap, router_topk=k, capacity_factor=CAPACITY_FACTOR,
                                                       pad_to_capacity=True)
@@ -167,6 +215,19 @@ class Megatron:
             hs, _, pr = d.dispatch_postprocess(hs, pr)
             return d.combine_postprocess(d.token_combine(d.combine_preprocess(hs)))
         return step
+
+    def train_step(self, p, x, rmap, probs, dy, fused=False):
+        """Dispatch + identity experts that multiply each row by its prob (where Megatron's experts
+        apply them) + combine, forward + backward; x and probs require grad."""
+        d = self.dispatcher(p, fused, False)
+
+        def forward():
+            hs, pr = d.dispatch_preprocess(x, rmap, probs)
+            hs, pr = d.token_dispatch(hs, pr)
+            hs, _, pr = d.dispatch_postprocess(hs, pr)
+            out = hs * pr.unsqueeze(-1).to(hs.dtype)
+            return d.combine_postprocess(d.token_combine(d.combine_preprocess(out)))
+        return TrainStep(forward, (x, probs), dy)
 
 
 def graph_of(step, cuda):
@@ -207,15 +268,28 @@ def build_point(p, cuda, megatron, wanted=None, grad=False):
             raise RuntimeError(megatron)
         s = megatron.step(p, x if graph else xe, rmap, probs if graph else pe, fused=fused, pad=pad)
         how = ("fused" if fused else "unfused") + (", drop-and-pad cf 1.0" if pad else ", dropless")
-        return (graph_of(s, cuda), f"Megatron {megatron.version} ({how}), CUDA graph") if graph else \
-            (s, f"Megatron {megatron.version} ({how})")
+        return (graph_of(s, cuda), f"Megatron {megatron.version} ({how}), CUDA graph, inference") if graph else \
+            (s, f"Megatron {megatron.version} ({how}), inference")
+
+    # the training rows: their own leaves requiring grad, and the output gradient dy
+    dy = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+
+    def meg_train(fused):
+        if isinstance(megatron, str):
+            raise RuntimeError(megatron)
+        s = megatron.train_step(p, x.clone().requires_grad_(), rmap, probs.clone().requires_grad_(), dy, fused=fused)
+        return s, f"Megatron {megatron.version} ({'fused' if fused else 'unfused'}, dropless), training step"
+    v["fp8a2a_train"].build(lambda: (fp8a2a_train_step(x.clone().requires_grad_(), idx, w.clone().requires_grad_(),
+                                                       e, dy), "fp8a2a (FP8 rows, dropless), training step"), wanted)
+    v["megatron_fused_train"].build(lambda: meg_train(True), wanted)
+    v["megatron_train"].build(lambda: meg_train(False), wanted)
     pad_fused = not isinstance(megatron, str) and megatron.te is not None
     v["megatron_pad_graph"].build(lambda: meg(pad_fused, True, graph=True), wanted)
-    v["fp8a2a"].build(lambda: (fp8a2a_step(xe, idx, we, e), "fp8a2a (FP8 rows, dropless)"), wanted)
+    v["fp8a2a"].build(lambda: (fp8a2a_step(xe, idx, we, e), "fp8a2a (FP8 rows, dropless), inference"), wanted)
     v["fp8a2a_cap"].build(lambda: (fp8a2a_step(xe, idx, we, e, capacity_factor=CAPACITY_FACTOR),
-                                   "fp8a2a capacity mode cf 1.0"), wanted)
+                                   "fp8a2a capacity mode cf 1.0, inference"), wanted)
     v["fp8a2a_cap_graph"].build(lambda: (graph_of(fp8a2a_step(x, idx, w, e, capacity_factor=CAPACITY_FACTOR),
-                                                  cuda), "fp8a2a capacity mode cf 1.0, CUDA graph"), wanted)
+                                                  cuda), "fp8a2a capacity mode cf 1.0, CUDA graph, inference"), wanted)
     v["megatron_fused"].build(lambda: meg(True, False), wanted)
     v["megatron"].build(lambda: meg(False, False), wanted)
     v["megatron_pad"].build(lambda: meg(pad_fused, True), wanted)
@@ -252,12 +326,16 @@ def peak_mib(fn, cuda):
 
 
 def characterize(variants, cuda):
-    """Once per variant: host syncs / launches / copies of one call, peak memory of eager calls."""
+    """Once per variant: host syncs / launches / copies of one call, peak memory of eager calls; for
+    a training step also its forward and its backward apart ("phases": where the time goes)."""
     for v in variants.values():
         if v.fn is None:
             continue
         try:
             v.costs = profile_call(v.fn)
+            if v.costs is not None and isinstance(v.fn, TrainStep):
+                v.costs["phases"] = {"forward": profile_call(v.fn.forward),
+                                     "backward": profile_call(v.fn.backward, setup=v.fn.forward)}
             v.peak_mib = None if v.graph else peak_mib(v.fn, cuda)
         except Exception as e:  # noqa: BLE001 - a missing count must not stop the benchmark
             v.costs = dict(v.costs or {}, error=_reason(e))
@@ -297,23 +375,27 @@ def _span(s, fmt="{:.3f}"):
 
 def format_report(doc):
     lines = [f"fp8a2a dispatch + combine vs Megatron's alltoall dispatcher, world size 1, {doc['device']}",
+             "headline: the training step (the *_train rows: forward + backward, x and the router weights "
+             "requiring grad); the other rows are inference (forward only)",
              f"timing: {doc['timing']}; {doc['repeat']} run(s) x {doc['iters']} calls: median [min-max] of the run "
-             "medians" + ("; the eager rows' activations and router weights require grad (a training forward)"
+             "medians" + ("; the inference rows' activations and router weights require grad (a training forward)"
                           if doc.get("grad") else ""),
              f"peers: megatron-core {doc['megatron_core']}, TransformerEngine {doc['transformer_engine']}",
              "host speed: " + (", ".join(f"{u:.2f}" for u in doc.get("host_reference_us") or []) or "-")
              + " us per one-element in-place add (fp8a2a.bench.host_reference_us; one figure per process): the "
              "host-bound rows scale with it between machines",
              f"emulation: {EMULATION}", ""]
-    head = (f"{'variant':<20}{'device ms':>26}{'host ms':>26}{'busy ms':>8}{'kernels':>8}{'copies':>7}{'syncs':>6}"
+    head = (f"{'variant':<{NAME_W}}{'device ms':>26}{'host ms':>26}{'busy ms':>8}{'kernels':>8}{'copies':>7}{'syncs':>6}"
             f"{'d2h':>5}{'calls':>6}{'MiB':>7}  label")
     for p in doc["points"]:
         lines += [f"== {p['name']}: {p['tokens']} tokens x {p['hidden']}, {p['experts']} experts, top-{p['topk']} "
                   f"({p['emulates']})", head]
         for name in VARIANTS:
+            if name == VARIANTS[len(TRAIN_VARIANTS)]:
+                lines.append("-- inference (forward only)")
             v = p["variants"][name]
             if "device_ms" not in v:
-                lines.append(f"{name:<20}unavailable: {v.get('unavailable', 'not measured')}")
+                lines.append(f"{name:<{NAME_W}}unavailable: {v.get('unavailable', 'not measured')}")
                 continue
             c = v.get("costs") or {}
             cnt = "".join(f"{c.get(key, '-') if c.get(key) is not None else '-':>{wd}}"
@@ -323,12 +405,13 @@ def format_report(doc):
             busy = "-" if c.get("busy_us") is None else f"{c['busy_us'] / 1e3:.3f}"
             note = (f" (counts failed: {c['error']})" if c.get("error") else "") + \
                 (f" ({v['unavailable']})" if v.get("unavailable") else "")
-            lines.append(f"{name:<20}{_span(v['device_ms']):>26}{_span(v['host_ms']):>26}{busy:>8}{cnt}{mib:>7}  "
+            lines.append(f"{name:<{NAME_W}}{_span(v['device_ms']):>26}{_span(v['host_ms']):>26}{busy:>8}{cnt}{mib:>7}  "
                          f"{v['label']}{note}")
         for name in ("fp8a2a", "fp8a2a_cap"):  # where fp8a2a's device time goes
             ops = (p["variants"].get(name, {}).get("costs") or {}).get("busy_us_by_op")
             if ops:
                 lines.append(f"{name} kernel us: " + ", ".join(f"{k} {u:.1f}" for k, u in ops.items()))
+        lines += phase_lines(p)
         rs = "; ".join(f"{k} {_span(s, '{:.2f}')}" for k, s in p["ratios"].items()) or "none (a side unavailable)"
         lines += [f"ratios (device time, per run): {rs}", ""]
     lines.append("syncs: host calls that block on the GPU (cudaStream/Event/DeviceSynchronize, blocking cudaMemcpy); "
@@ -337,6 +420,24 @@ def format_report(doc):
                  "calls: host launch calls "
                  "(kernel and graph launches); MiB: peak memory above the inputs of one eager call")
     return "\n".join(lines)
+
+
+def phase_lines(p):
+    """Where each training row's device time goes: forward and backward busy time, and the kernels
+    with the most device time in each phase (summed durations, us)."""
+    out = []
+    for name in TRAIN_VARIANTS:
+        phases = (p["variants"].get(name, {}).get("costs") or {}).get("phases") or {}
+        if not all(phases.get(k) for k in ("forward", "backward")):
+            continue
+        fwd, bwd = phases["forward"]["busy_us"], phases["backward"]["busy_us"]
+        out.append(f"{name}: forward busy {fwd:.1f} us ({phases['forward']['kernels']} kernels), backward busy "
+                   f"{bwd:.1f} us ({phases['backward']['kernels']} kernels), backward / forward "
+                   f"{bwd / fwd if fwd else float('nan'):.2f}")
+        for phase in ("forward", "backward"):
+            top = top_ops(phases[phase]["busy_us_by_op"], TOP_KERNELS)
+            out.append(f"  {phase} top kernels us: " + ", ".join(f"{k} {u:.1f}" for k, u in top))
+    return out
 
 
 def main():
@@ -349,7 +450,8 @@ def main():
     ap.add_argument("--variants", help=f"comma-separated variants to build (default: all of {', '.join(VARIANTS)})")
     ap.add_argument("--cpu", action="store_true", help="functional run on the CPU: tiny shapes, numbers meaningless")
     ap.add_argument("--grad", action="store_true",
-                    help="the eager rows' activations and router weights require grad (a training forward)")
+                    help="the eager inference rows' activations and router weights require grad (a training "
+                         "forward; the *_train rows always run forward + backward)")
     ap.add_argument("--list", action="store_true", help="print the point names and exit")
     ap.add_argument("--list-groups", action="store_true",
                     help="print the variant groups that run in processes of their own (comma-separated, each "

@@ -96,6 +96,34 @@ FP8A2A_HD bool amax_finite(float amax) { return amax <= 0x1.fffffep127f; }  // f
 
 FP8A2A_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
+// float32 addition, rounded to nearest (on the GPU an add that no multiply can fuse into).
+FP8A2A_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// The order of combine_backward_rows' row dot products (the router-weight gradient), one order
+// for both backends so that they agree bit for bit, in float32 without fused multiply-adds:
+//   1. the row in units of kDotUnit = 16 elements, the last one padded with products of +0;
+//   2. a unit's 16 products summed as a pairwise tree (sum16_pairwise);
+//   3. unit u added to the partial of lane u % kDotLanes (32), in increasing u, each lane from +0;
+//   4. the 32 lane partials summed as a tree: at step o = 16, 8, 4, 2, 1 lane l < o adds lane l + o
+//      (a warp's xor-shuffle reduction, read at lane 0).
+// Each lane sums H / 512 units, so the error grows like a blocked sum's, not a sequential one's.
+constexpr int kDotUnit = 16;
+constexpr int kDotLanes = 32;
+
+FP8A2A_HD float sum16_pairwise(const float (&p)[kDotUnit]) {
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = add_rn(p[2 * i], p[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) a[i] = add_rn(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) a[i] = add_rn(a[2 * i], a[2 * i + 1]);
+  return add_rn(a[0], a[1]);
+}
+
 // Wire rows start on whole 128-byte lines, so that no 32-byte sector is shared by two rows written
 // by different blocks. It costs up to 112 bytes a row: at H = 7168, top-8, 7280 -> 7296 (+0.2%),
 // quantized combine rows 7184 -> 7296 (+1.6%).

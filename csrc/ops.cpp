@@ -54,6 +54,13 @@ TORCH_LIBRARY(fp8a2a, m) {
   m.def(
       "combine_unpack(Tensor buf, Tensor send_pos, int hidden, ScalarType dtype, bool quantized, int extra_k) "
       "-> (Tensor y, Tensor extra)");
+  // Combine's backward on the expert side: dy's rows as they arrive (e4m3 with a row scale, or raw
+  // rows) -> grad [N, H] in dtype = dy * (weights or 1), converted once; grad_weights float32 [N] =
+  // dy . expert_out in float32 in fp8_common.h's blocked order (for e4m3 rows: the scale times the
+  // dot of the unscaled values), or an empty tensor where expert_out is not given.
+  m.def(
+      "combine_backward_rows(Tensor data, Tensor? scale, Tensor? weights, Tensor? expert_out, ScalarType dtype) "
+      "-> (Tensor grad, Tensor grad_weights)");
   // Capacity mode's drop: per expert, keep the `capacity` slots with the largest router weight
   // (ties: the earlier slot); dropped slots become -1, other ids are kept. -> (ids, dropped count).
   m.def("capacity_drop(Tensor topk_idx, Tensor topk_weights, int num_experts, int capacity) -> (Tensor, Tensor)");
@@ -68,6 +75,7 @@ TORCH_LIBRARY_IMPL(fp8a2a, CPU, m) {
   m.impl("dispatch_unpack", &dispatch_unpack_cpu);
   m.impl("combine_pack", &combine_pack_cpu);
   m.impl("combine_unpack", &combine_unpack_cpu);
+  m.impl("combine_backward_rows", &combine_backward_rows_cpu);
   m.impl("capacity_drop", &capacity_drop_cpu);
 }
 
@@ -79,6 +87,7 @@ TORCH_LIBRARY_IMPL(fp8a2a, CUDA, m) {
   m.impl("dispatch_unpack", &dispatch_unpack_cuda);
   m.impl("combine_pack", &combine_pack_cuda);
   m.impl("combine_unpack", &combine_unpack_cuda);
+  m.impl("combine_backward_rows", &combine_backward_rows_cuda);
   m.impl("capacity_drop", &capacity_drop_cuda);
 }
 #endif

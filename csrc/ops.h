@@ -47,6 +47,13 @@ std::tuple<Tensor, Tensor> combine_unpack_cpu(const Tensor& buf, const Tensor& s
 std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& send_pos, int64_t hidden,
                                                at::ScalarType dtype, bool quantized, int64_t extra_k);
 
+std::tuple<Tensor, Tensor> combine_backward_rows_cpu(const Tensor& data, const std::optional<Tensor>& scale,
+                                                     const std::optional<Tensor>& weights,
+                                                     const std::optional<Tensor>& expert_out, at::ScalarType dtype);
+std::tuple<Tensor, Tensor> combine_backward_rows_cuda(const Tensor& data, const std::optional<Tensor>& scale,
+                                                      const std::optional<Tensor>& weights,
+                                                      const std::optional<Tensor>& expert_out, at::ScalarType dtype);
+
 std::tuple<Tensor, Tensor> capacity_drop_cpu(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
                                              int64_t capacity);
 std::tuple<Tensor, Tensor> capacity_drop_cuda(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
@@ -236,6 +243,37 @@ inline CombineRow check_combine_buffer(const Tensor& buf, const Tensor& send_pos
               "fp8a2a: combine buffer must be contiguous uint8 [rows, ", L.bytes, "], got ", buf.sizes());
   check_same_device(buf, send_pos, "send_pos");
   return L;
+}
+
+// combine_backward_rows: e4m3 rows with a float32 row scale [N], or raw rows (float32, float16 or
+// bfloat16; no scale, or an empty one); weights float32 [N] or none; expert_out [N, H] in `dtype`
+// (the gradient's) or none. Returns whether the rows are e4m3.
+inline bool check_combine_backward_rows(const Tensor& data, const std::optional<Tensor>& scale,
+                                        const std::optional<Tensor>& weights, const std::optional<Tensor>& expert_out,
+                                        at::ScalarType dtype) {
+  const bool fp8 = data.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(data.dim() == 2 && data.is_contiguous() &&
+                  (fp8 || data.scalar_type() == at::kFloat || data.scalar_type() == at::kHalf ||
+                   data.scalar_type() == at::kBFloat16),
+              "fp8a2a: combine_backward_rows needs contiguous [rows, hidden] e4m3 or float32/float16/bfloat16 rows, "
+              "got ", data.sizes(), " ", data.scalar_type());
+  const int64_t N = data.size(0);
+  if (fp8) {
+    TORCH_CHECK(scale.has_value(), "fp8a2a: combine_backward_rows: e4m3 rows need their row scale");
+    check_f32_vector(scale, N, data, "scale");
+  } else {
+    TORCH_CHECK(!scale.has_value() || scale->numel() == 0, "fp8a2a: combine_backward_rows: raw rows take no scale");
+  }
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+              "fp8a2a: combine_backward_rows: dtype must be float32, float16, bfloat16 or float64, got ", dtype);
+  check_f32_vector(weights, N, data, "weights");
+  if (expert_out.has_value()) {
+    TORCH_CHECK(expert_out->sizes() == data.sizes() && expert_out->scalar_type() == dtype && expert_out->is_contiguous(),
+                "fp8a2a: combine_backward_rows: expert_out must be contiguous ", data.sizes(), " ", dtype,
+                " (the gradient's dtype), got ", expert_out->sizes(), " ", expert_out->scalar_type());
+    check_same_device(data, *expert_out, "expert_out");
+  }
+  return fp8;
 }
 
 inline void check_capacity_drop(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,

@@ -22,18 +22,19 @@ def differentiable(*tensors) -> bool:
 
 
 def dispatch_rows(spec: ExchangeSpec, x, topk_weights, route: Route, fail_peers=None):
-    """(data, scale, weights, tokens per expert, the handle: a Layout with the weights, anchor).
-    Raw rows are data itself; FP8 rows' gradient reaches x through `anchor`, a zero-memory carrier
-    (None when nothing needs a gradient)."""
+    """(data, scale, weights, tokens per expert, the handle: a Layout with the weights, anchors).
+    Raw rows are data itself; FP8 rows' gradient reaches x through `anchors`: zero-memory carriers
+    (x's dtype, float32 or None), (None, None) when nothing needs a gradient."""
     # The Function runs its forward without grad mode: so must every input (the tensor scale
     # included) outside it, or an output could carry a history the Function's would not.
     if not differentiable(x, topk_weights, spec.tensor_scale):
         data, scale_rows, weights, tpe, layout = exchange.dispatch(spec, x, route, False, fail_peers)
-        return data, scale_rows, weights, tpe, layout.with_weights(weights), None
-    rows, weights, data, scale_rows, tpe, layout = _DispatchFn.apply(x, topk_weights, spec, route, fail_peers)
+        return data, scale_rows, weights, tpe, layout.with_weights(weights), (None, None)
+    rows, weights, data, scale_rows, tpe, layout, rows32 = _DispatchFn.apply(x, topk_weights, spec, route, fail_peers)
     if layout.wire == Granularity.RAW:
-        return rows, scale_rows, weights, tpe, layout.with_weights(weights), None
-    return data, scale_rows, weights, tpe, layout.with_weights(weights), rows if rows.requires_grad else None
+        return rows, scale_rows, weights, tpe, layout.with_weights(weights), (None, None)
+    anchors = (rows, rows32) if rows.requires_grad else (None, None)
+    return data, scale_rows, weights, tpe, layout.with_weights(weights), anchors
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -44,28 +45,42 @@ class _DispatchFn(torch.autograd.Function):
         needs_grad = x.requires_grad or topk_weights.requires_grad
         data, scale, weights, tpe, layout = exchange.dispatch(spec, x, route, needs_grad, fail_peers)
         ctx.layout = layout  # without the weights: they would close a reference cycle through ctx
+        # an output without a gradient comes to backward as None, not as zeros autograd allocates
+        # (for the rows, [N, H]): backward allocates only what the exchange needs
+        ctx.set_materialize_grads(False)
         if layout.wire == Granularity.RAW:  # data: the rows themselves, [N, H] in x's dtype
             placeholder = data.new_empty(0)
             ctx.mark_non_differentiable(placeholder, scale, tpe)
-            return data, weights, placeholder, scale, tpe, layout
-        # gradient carrier of the FP8 rows: no memory, never read
-        anchor = x.new_empty(()).expand(layout.num_rows, layout.hidden)
+            return data, weights, placeholder, scale, tpe, layout, None
+        # gradient carriers of the FP8 rows: no memory, never read. One in x's dtype and, for x of
+        # another dtype, one in float32: rows dequantized to float32 hand their gradient to it, so
+        # that it reaches this backward as it is (combine_pack sums it in float32) instead of
+        # through the cast to x's dtype that autograd makes for a carrier of that dtype
+        shape = (layout.num_rows, layout.hidden)
+        anchor = x.new_empty(()).expand(shape)
+        anchor32 = None if x.dtype == torch.float32 else x.new_empty((), dtype=torch.float32).expand(shape)
         ctx.mark_non_differentiable(data, scale, tpe)
-        return anchor, weights, data, scale, tpe, layout
+        return anchor, weights, data, scale, tpe, layout, anchor32
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_weights, *_):
+    def backward(ctx, grad_rows, grad_weights, _data, _scale, _tpe, _layout, grad_rows32):
         h: Layout = ctx.layout
         spec = h.spec
+        if grad_rows32 is not None:  # both carriers used (rows dequantized to two dtypes): one sum
+            grad_rows = grad_rows32 if grad_rows is None else grad_rows32 + grad_rows
         # the rows' width must be the same on every rank, whichever ranks' router weights need a
         # gradient: with peers, always with the weights' column
         want_w = not spec.local or (ctx.needs_input_grad[1] and grad_weights is not None)
+        if grad_rows is None and not want_w:  # no peer waits and nothing to send: x's gradient is 0
+            return None, None, None, None, None
+        # zeros only where the exchange needs rows to carry the weights' column
         device = h.send_pos.device
         if grad_rows is None:
             grad_rows = torch.zeros((h.num_rows, h.hidden), dtype=h.dtype, device=device)
         if want_w and grad_weights is None:
             grad_weights = torch.zeros(h.num_rows, dtype=torch.float32, device=device)
         extra = grad_weights.float().contiguous() if want_w else None
+        # grad_rows in whichever dtype it came (x's or float32): combine_pack reads it as it is
         gx, gw = exchange.combine(grad_rows, None, h, spec.fp8_dispatch_backward, extra)
         return gx, (gw if want_w and ctx.needs_input_grad[1] else None), None, None, None
 
@@ -91,16 +106,10 @@ class _CombineFn(torch.autograd.Function):
         h: Layout = ctx.layout
         expert_out, weights = ctx.saved_tensors
         data, scale, wire = exchange.redispatch(grad_y, h)
-        raw = wire == Granularity.RAW
-        dtype = ctx.out_dtype
-        if weights is None:  # straight into the output dtype: no fp32 copy of [rows, hidden]
-            return (data.to(dtype) if raw else ops.dequantize(data, scale, dtype)), None, None
-        w = weights.detach()
-        gf = data.float() if raw else None
-        # FP8: the router weight folds into the row scale, one dequantize gives the weighted gradient
-        grad_out = (gf * w.unsqueeze(1)).to(dtype) if raw else ops.dequantize(data, scale * w, dtype)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            gf = gf if raw else ops.dequantize(data, scale, torch.float32)
-            grad_w = (gf * expert_out.float()).sum(1)
-        return grad_out, grad_w, None
+        # one pass over dy's rows: the (weighted) gradient of expert_out and, where the router
+        # weights need one, their gradient dy . expert_out per row, reduced in float32 in the kernel
+        want_w = weights is not None and ctx.needs_input_grad[1]
+        grad_out, grad_w = ops.combine_backward_rows(
+            data, None if wire == Granularity.RAW else scale, None if weights is None else weights.detach(),
+            expert_out.contiguous() if want_w else None, ctx.out_dtype)
+        return grad_out, (grad_w if want_w else None), None

@@ -275,13 +275,14 @@ class Dispatcher:
         except Exception:
             self._fail_peers(amax_pending=True)
             raise
-        data, scale, weights, tpe, handle, anchor = dispatch_rows(self.spec, x, topk_weights, route, self._fail_peers)
+        data, scale, weights, tpe, handle, anchors = dispatch_rows(self.spec, x, topk_weights, route, self._fail_peers)
         if handle.wire == Granularity.RAW:
             tokens = data
         else:
             if self.code == Granularity.TENSOR:
                 scale = handle.tensor_scale
-            tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=anchor)
+            tokens = QuantizedTensor(data, scale, self.granularity, grad_anchor=anchors[0],
+                                     grad_anchor_float32=anchors[1])
         return DispatchOutput(tokens, tpe, weights, handle)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, apply_weights: bool = True) -> torch.Tensor:

@@ -96,6 +96,13 @@ def _(buf, send_pos, hidden, dtype, quantized, extra_k):
     return buf.new_empty((t, hidden), dtype=dtype), buf.new_empty((t, extra_k), dtype=torch.float32)
 
 
+@torch.library.register_fake("fp8a2a::combine_backward_rows")
+def _(data, scale, weights, expert_out, dtype):
+    _same_device("combine_backward_rows", data, ("scale", scale), ("weights", weights), ("expert_out", expert_out))
+    return data.new_empty(data.shape, dtype=dtype), \
+        data.new_empty((data.shape[0] if expert_out is not None else 0,), dtype=torch.float32)
+
+
 @torch.library.register_fake("fp8a2a::capacity_drop")
 def _(topk_idx, topk_weights, num_experts, capacity):
     _same_device("capacity_drop", topk_idx, ("topk_weights", topk_weights))
@@ -111,6 +118,16 @@ def combine_pack(expert_out, slot_pos, weights, extra, quantize, dtype=None):
     if expert_out.dtype == torch.float64:
         expert_out = expert_out.float()
     return _ops.combine_pack(expert_out, slot_pos, weights, extra, quantize, dtype)
+
+
+def combine_backward_rows(data, scale, weights, expert_out, dtype):
+    """Combine's backward on the expert side, one pass over the rows of dy that came back: (grad
+    [N, H] in `dtype`, grad_weights float32 [N]). data: e4m3 rows with their row scale [N], or raw
+    rows (float32, float16 or bfloat16; scale None). grad = dy * weights (dy alone where weights is
+    None), converted once; grad_weights = dy . expert_out per row in float32, in the blocked order
+    of csrc/fp8_common.h (kDotUnit), an empty tensor where expert_out is None. expert_out is in
+    `dtype`. No float32 [N, H] temporary."""
+    return _ops.combine_backward_rows(data, scale, weights, expert_out, dtype)
 
 
 quantize = _ops.quantize

@@ -24,6 +24,9 @@ class QuantizedTensor:
     # tensor (straight-through), which reaches x or the dispatcher's backward. Not printed: for
     # dispatched rows it is an expanded placeholder, never read.
     grad_anchor: Optional[torch.Tensor] = field(default=None, repr=False)
+    # Dispatched rows of a non-float32 x only: a float32 carrier that dequantize(dtype=float32)
+    # hands its gradient to, so that it reaches the dispatch's backward without a cast to x's dtype.
+    grad_anchor_float32: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def shape(self):
@@ -112,5 +115,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"fp8a2a: dequantize expects a QuantizedTensor, got {type(q).__name__}")
     if q.grad_anchor is not None and torch.is_grad_enabled():
-        return _Dequantize.apply(q.data, q.scale, q.grad_anchor, dtype)
+        anchor = q.grad_anchor_float32 if dtype == torch.float32 and q.grad_anchor_float32 is not None else \
+            q.grad_anchor
+        return _Dequantize.apply(q.data, q.scale, anchor, dtype)
     return ops.dequantize(q.data, q.scale, dtype)

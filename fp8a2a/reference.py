@@ -91,3 +91,30 @@ def drop_to_capacity_reference(topk_idx, topk_weights, capacity: int, num_expert
         for _, t, k in mine[capacity:]:
             idx[t, k] = -1
     return idx
+
+
+def combine_backward_rows_reference(data, scale, weights, expert_out, dtype):
+    """ops.combine_backward_rows in plain float32 torch ops, in the blocked order of
+    csrc/fp8_common.h (kDotUnit): the same bits. (grad in dtype, grad_weights float32 or empty)."""
+    fp8 = data.dtype == FP8
+    v = data.float()  # e4m3 rows unscaled: the scale multiplies the gradient and the finished dot
+    s = scale.float() if fp8 else torch.ones(data.shape[0])
+    m = (s * weights if weights is not None else s) if fp8 else weights
+    grad = (v * m.unsqueeze(1) if m is not None else v).to(dtype)
+    if expert_out is None:
+        return grad, torch.zeros(0)
+    n, h = v.shape
+    units = -(-h // 16)
+    lanes = -(-units // 32) * 32  # whole rounds of 32 units: padding products and units are +0
+    p = torch.zeros(n, lanes * 16)
+    p[:, :h] = v * expert_out.float()
+    p = p.view(n, lanes, 16)
+    while p.shape[-1] > 1:  # each unit's 16 products as a pairwise tree
+        p = p[..., 0::2] + p[..., 1::2]
+    p = p.view(n, lanes // 32, 32)
+    acc = torch.zeros(n, 32)
+    for j in range(p.shape[1]):  # unit u to lane u % 32, in increasing u
+        acc = acc + p[:, j]
+    for o in (16, 8, 4, 2, 1):  # the lanes as a tree: lane l < o adds lane l + o
+        acc = acc[:, :o] + acc[:, o:2 * o]
+    return grad, (acc[:, 0] * s if fp8 else acc[:, 0])

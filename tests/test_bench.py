@@ -420,14 +420,15 @@ def test_bench_dispatch_functional_feeds_the_model(tmp_path):
     assert mix["tokens"] == 2 * doc["points"][0]["tokens"]
     for p in doc["points"]:
         v = p["variants"]
-        assert list(v) == ["megatron_fused", "megatron", "fp8a2a", "megatron_pad", "megatron_pad_graph",
-                           "fp8a2a_cap", "fp8a2a_cap_graph"]
-        for name in ("fp8a2a", "fp8a2a_cap"):
+        assert list(v) == ["fp8a2a_train", "megatron_fused_train", "megatron_train", "megatron_fused", "megatron",
+                           "fp8a2a", "megatron_pad", "megatron_pad_graph", "fp8a2a_cap", "fp8a2a_cap_graph"]
+        for name in ("fp8a2a_train", "fp8a2a", "fp8a2a_cap"):
             assert len(v[name]["device_ms"]["runs"]) == 2 and v[name]["device_ms"]["median"] > 0
+        assert "training step" in v["fp8a2a_train"]["label"] and "inference" in v["fp8a2a"]["label"]
         assert v["fp8a2a_cap_graph"]["unavailable"].startswith("RuntimeError: CUDA graphs need CUDA")
         for name, rec in v.items():
             assert ("device_ms" in rec) != ("unavailable" in rec), (name, rec)
-            assert f"{name:<20}unavailable: " in text if "unavailable" in rec else True
+            assert f"{name:<22}unavailable: " in text if "unavailable" in rec else True
         for key, s in p["ratios"].items():
             num, den = key.split("/")
             assert s["runs"] == [a / b for a, b in zip(v[num]["device_ms"]["runs"], v[den]["device_ms"]["runs"])]
@@ -436,6 +437,26 @@ def test_bench_dispatch_functional_feeds_the_model(tmp_path):
     assert run.returncode == 0, run.stderr
     assert f"fp8a2a_overhead_us: {doc['points'][1]['variants']['fp8a2a']['device_ms']['median'] * 500:.0f} us" \
         in run.stdout
+
+
+def test_bench_dispatch_training_step_and_its_phases(tmp_path):
+    """The training row is the headline, before the inference rows; the report breaks each training
+    row's device time into its phases and their top kernels (from the profile a GPU run records)."""
+    part = tmp_path / "train.json"
+    text = _benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "1", "--iters", "1", "--warmup",
+                      "0", "--variants", "fp8a2a_train,fp8a2a", "--json", part)
+    assert "headline: the training step" in text
+    assert text.index("fp8a2a_train ") < text.index("-- inference (forward only)") < text.index("\nfp8a2a ")
+    doc = json.loads(part.read_text())
+    row = doc["points"][0]["variants"]["fp8a2a_train"]
+    assert row["device_ms"]["median"] > 0 and row["label"].endswith("training step")
+    phase = {"busy_us": 100.0, "kernels": 3, "busy_us_by_op": {"a": 10.0, "b": 60.0, "c": 30.0}}
+    row["costs"] = {"phases": {"forward": dict(phase, busy_us=50.0, kernels=2), "backward": phase}}
+    part.write_text(json.dumps(doc))
+    text = _benchmark("bench_dispatch", "--merge", part)
+    assert "fp8a2a_train: forward busy 50.0 us (2 kernels), backward busy 100.0 us (3 kernels), backward / " \
+           "forward 2.00" in text
+    assert "  backward top kernels us: b 60.0, c 30.0, a 10.0" in text
 
 
 def test_bench_dispatch_grad_rows_and_merge_refuses_a_mix(tmp_path):
@@ -470,7 +491,8 @@ def test_bench_dispatch_merges_points_and_variant_groups_run_apart(tmp_path):
     assert _benchmark("bench_dispatch", "--list").split() == ["ws1-4096", "ws1-128", "deepseek-v3@EP8",
                                                              "deepseek-v3@EP32", "qwen3-235b@EP8", "mixtral-8x7b@EP8"]
     assert _benchmark("bench_dispatch", "--list-groups").split() == [
-        "megatron_fused,megatron,fp8a2a,megatron_pad,fp8a2a_cap", "megatron_pad_graph,fp8a2a_cap_graph"]
+        "fp8a2a_train,megatron_fused_train,megatron_train", "megatron_fused,megatron,fp8a2a,megatron_pad,fp8a2a_cap",
+        "megatron_pad_graph,fp8a2a_cap_graph"]
     parts = []
     for points, variants in (("ws1-128,mixtral-8x7b@EP8", "fp8a2a,fp8a2a_cap"), ("ws1-128", "fp8a2a_cap_graph")):
         parts.append(tmp_path / f"part{len(parts)}.json")

@@ -177,6 +177,158 @@ def test_single_process(name):
     scenario(0, 1, {**BASE, **CASES[name]})
 
 
+def training_step(rank, world, cfg):
+    """Dispatch + combine forward and backward as a training step runs them: x and the router
+    weights require grad, expert e returns (e + 1) * its rows (dequantized to rows_dtype), combine
+    applies the weights (or, apply_weights=False, the experts multiply by out.weights). x.grad,
+    topk_weights.grad and the expert rows' gradient against float64 references of what crosses
+    the wire (dy as its FP8 rows on an FP8 wire, straight-through quantization)."""
+    E, K, H, dtype, raw = cfg["experts"], cfg["topk"], cfg["hidden"], cfg["dtype"], cfg["raw"]
+    rows_dtype, apply_weights = cfg.get("rows_dtype", dtype), cfg.get("apply_weights", True)
+    xs, idxs, ws = make_inputs(world, cfg["tokens"], H, E, K, dtype)
+    gs = [torch.randn(x.shape, generator=torch.Generator().manual_seed(200 + r)).to(dtype) for r, x in enumerate(xs)]
+    d = fp8a2a.Dispatcher(E, bf16_below_bytes=(1 << 40) if raw else 0)
+    dev = cfg.get("device", "cpu")
+    x, w = xs[rank].to(dev, copy=True).requires_grad_(), ws[rank].to(dev, copy=True).requires_grad_()
+    out = d.dispatch(x, idxs[rank].to(dev), w)
+    assert isinstance(out.tokens, torch.Tensor) == raw
+    per_rank = E // world
+    local = torch.repeat_interleave(torch.arange(per_rank, device=dev), out.tokens_per_expert)
+    factor = (rank * per_rank + local + 1).to(rows_dtype).unsqueeze(1)
+    expert_out = out.dequantized(rows_dtype) * factor
+    if not apply_weights:  # Megatron's way: the experts apply the weights
+        expert_out = expert_out * out.weights.unsqueeze(1).to(rows_dtype)
+    if cfg.get("strided"):  # expert rows as a non-contiguous view: combine (and its backward) take it
+        expert_out = expert_out.t().contiguous().t()
+        assert not expert_out.is_contiguous()
+    expert_out.retain_grad()
+    y = d.combine(expert_out, out.handle, apply_weights=apply_weights)
+    if dev == "cpu":
+        y.backward(gs[rank])
+    else:  # the backward makes no host sync
+        dy = gs[rank].to(dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y.backward(dy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    gx, gw, g_rows = x.grad.cpu(), w.grad.cpu(), expert_out.grad.cpu()
+
+    # float64 references. dy as the experts receive it: its row-quantized FP8 rows, or itself.
+    gq = [g.double() if raw else dequantize_reference(*quantize_reference(g, "row"), torch.float64) for g in gs]
+    views = quantized_view(xs, "row", raw)  # each source's rows as dispatched
+    # expert rows as the experts computed them (expert e: (e + 1) * rows in rows_dtype), per slot
+    slot_rows = [(v.to(rows_dtype).unsqueeze(1) * torch.where(i >= 0, i + 1, 0).to(rows_dtype).unsqueeze(2)).double()
+                 for v, i in zip(views, idxs)]
+    idx, wr = idxs[rank], ws[rank].double()
+    f = torch.where(idx >= 0, idx + 1, 0).double()
+    gx_ref = (wr * f).sum(1, keepdim=True) * gq[rank]
+    gw_ref = torch.where(idx >= 0, (slot_rows[rank] * gq[rank].unsqueeze(1)).sum(2), 0.0)
+    _, _, _, origin = expert_major_reference(views, idxs, ws, rank, E, world)
+    want_rows = torch.stack([ws[s][t, k].double() * gq[s][t] if apply_weights else gq[s][t] for s, t, k in origin]) \
+        if origin else torch.zeros(0, H, dtype=torch.float64)
+    assert expert_out.dtype == rows_dtype and gx.dtype == dtype and gw.dtype == torch.float32
+    eps = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -24}
+    if want_rows.numel():  # the expert rows' gradient: one rounding to rows_dtype of its float32 value
+        assert rel(g_rows, want_rows) < eps[rows_dtype], rel(g_rows, want_rows)
+    if gx.numel():
+        # the rows' gradients into rows_dtype and the summed one into x's dtype; the float32 sums
+        tol = 2 * eps[dtype] + 4 * eps[rows_dtype] + 1e-6
+        assert rel(gx, gx_ref) < tol, (rel(gx, gx_ref), tol)
+        # the router weights' gradient: a float32 dot over the hidden size per slot (the experts'
+        # own multiply by the weights: autograd's, in rows_dtype)
+        mag = (slot_rows[rank].abs() * gq[rank].abs().unsqueeze(1)).sum(2)
+        tol = 1e-5 if apply_weights else 4 * eps[rows_dtype]
+        assert bool(((gw.double() - gw_ref).abs() <= tol * mag + 1e-30).all()), (gw, gw_ref)
+        assert torch.all(gw[idx < 0] == 0)
+    return out.handle.num_rows
+
+
+TRAIN_BASE = dict(experts=8, topk=4, hidden=256, tokens=24)
+TRAIN_CASES = {f"{wire}-{str(dt)[6:]}": dict(raw=wire == "raw", dtype=dt)
+               for wire in ("fp8", "raw") for dt in (torch.bfloat16, torch.float16, torch.float32)}
+TRAIN_CASES.update({"fp8-bfloat16-rows-float32": dict(raw=False, dtype=torch.bfloat16, rows_dtype=torch.float32),
+                    "fp8-bfloat16-experts-weigh": dict(raw=False, dtype=torch.bfloat16, apply_weights=False),
+                    "raw-float16-experts-weigh": dict(raw=True, dtype=torch.float16, apply_weights=False),
+                    "fp8-bfloat16-hidden200": dict(raw=False, dtype=torch.bfloat16, hidden=200),
+                    "fp8-float16-strided-rows": dict(raw=False, dtype=torch.float16, strided=True)})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_training_step_gradients(world, name):
+    cfg = {**TRAIN_BASE, **TRAIN_CASES[name]}
+    if world == 1:  # without torch.distributed, as the GPU benchmarks run
+        training_step(0, 1, cfg)
+    else:
+        run_ranks(world, training_step, cfg)
+
+
+def test_float32_rows_hand_their_gradient_to_dispatch_uncast(monkeypatch):
+    """bfloat16 x, rows dequantized to float32: their gradient reaches dispatch's backward in float32
+    (no [N, H] cast to bfloat16 first; combine_pack sums it as it is). Rows dequantized to both
+    dtypes: the two gradients add up."""
+    from fp8a2a import exchange
+    seen = []
+    real = exchange.combine
+
+    def spy(rows, *args, **kwargs):
+        seen.append(rows.dtype)
+        return real(rows, *args, **kwargs)
+    monkeypatch.setattr(exchange, "combine", spy)
+    xs, idxs, ws = make_inputs(1, 16, 128, 8, 2, torch.bfloat16)
+    d = fp8a2a.Dispatcher(8, bf16_below_bytes=0)
+    grads = {}
+    for dtypes in ((torch.float32,), (torch.bfloat16,), (torch.float32, torch.bfloat16)):
+        x = xs[0].clone().requires_grad_()
+        out = d.dispatch(x, idxs[0], ws[0])
+        seen.clear()
+        sum(out.dequantized(dt).float().sum(1) * (i + 2) for i, dt in enumerate(dtypes)).sum().backward()
+        assert seen == [torch.float32 if torch.float32 in dtypes else torch.bfloat16], (dtypes, seen)
+        grads[dtypes] = x.grad.float()
+    # each row's gradient is 2 (float32 rows) or 3 (bfloat16 rows): per token, 2 or 5 times its slots
+    slots = (idxs[0] >= 0).sum(1, keepdim=True).float()
+    assert torch.equal(grads[(torch.float32,)], (2 * slots).expand(-1, 128))
+    assert torch.equal(grads[(torch.float32, torch.bfloat16)], (5 * slots).expand(-1, 128))
+    x32 = xs[0].float().requires_grad_()  # float32 x: one carrier, the float32 rows use it
+    assert d.dispatch(x32, idxs[0], ws[0]).tokens.grad_anchor_float32 is None
+
+
+def test_backward_fills_no_zeros_for_outputs_without_a_gradient():
+    """Autograd's default hands a Function zeros for each output without a gradient, even the
+    non-differentiable ones: [N, H] for the e4m3 rows on every dispatch backward. Not any more."""
+    from torch.profiler import ProfilerActivity, profile
+    xs, idxs, ws = make_inputs(1, 64, 512, 32, 8, torch.bfloat16)
+    x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
+    d = fp8a2a.Dispatcher(32, bf16_below_bytes=0)
+    out = d.dispatch(x, idxs[0], w)
+    y = d.combine(out.dequantized(), out.handle)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        y.backward(torch.ones_like(y))
+    n = out.handle.num_rows
+    filled = [e.input_shapes[0] for e in prof.events() if e.name == "aten::zero_"]
+    assert [n, 512] not in filled and [n] not in filled, filled
+
+
+def _weights_only(rank, world, weights_grad=True):
+    xs, idxs, ws = make_inputs(world, 12, 64, 8, 2, torch.bfloat16)
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_(weights_grad)
+    out = fp8a2a.Dispatcher(8, bf16_below_bytes=0).dispatch(x, idxs[rank], w)
+    (out.weights * 3).sum().backward()  # the rows get no gradient
+    if weights_grad:
+        assert torch.equal(w.grad, torch.where(idxs[rank] >= 0, 3.0, 0.0))
+    return None if x.grad is None else bool((x.grad == 0).all())
+
+
+def test_router_weights_gradient_without_a_row_gradient():
+    """Only out.weights is used: the weights' gradient comes back, x's is zeros (rows of zeros carry
+    the weights' column). With nothing to send and no peer, dispatch's backward makes nothing: no
+    [N, H] zeros, x gets no gradient."""
+    assert [_weights_only(0, 1)] + run_ranks(2, _weights_only) == [True] * 3
+    assert _weights_only(0, 1, weights_grad=False) is None
+
+
 def test_mixed_sizes_agree_on_one_wire_format():
     # Rank 1 is under the BF16 threshold, rank 0 is not: both must send FP8.
     def fn(rank, world):

@@ -5,7 +5,8 @@ import torch
 
 import fp8a2a
 from fp8a2a import ops
-from fp8a2a.reference import dequantize_reference, drop_to_capacity_reference, quantize_reference, route_reference
+from fp8a2a.reference import (combine_backward_rows_reference, dequantize_reference, drop_to_capacity_reference,
+                              quantize_reference, route_reference)
 from fp8a2a.wire import CountsCol, Granularity
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -520,3 +521,74 @@ def test_raw_pack_takes_an_empty_expanded_activation():
     send, counts, _ = ops.dispatch_pack(x, idx, w, 8, 2, int(Granularity.RAW), None, 0)
     assert send.dtype == torch.uint8 and send.shape[0] == 0
     assert counts[:, CountsCol.ROWS].tolist() == [0, 0] and counts[:, CountsCol.HIDDEN].tolist() == [128, 128]
+
+
+# ---- combine_backward_rows ---------------------------------------------------------------------
+
+def _same_floats(a, b):
+    """Bit-identical, NaN == NaN."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("h", [7168, 200, 16, 1])
+@pytest.mark.parametrize("rows", ["e4m3", torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
+def test_combine_backward_rows_order_and_float64(h, rows, dtype):
+    """The gradient is dequantize(data, scale * w) (e4m3) or (rows * w).to(dtype) (raw), bit for bit;
+    the router-weight gradient is the blocked float32 dot of csrc/fp8_common.h bit for bit (the plain
+    torch reference), within float32 rounding of the float64 dot, with or without weights."""
+    g = torch.Generator().manual_seed(h)
+    n = 40
+    x = nasty(n, h, torch.float32, seed=h) if h >= 16 else torch.randn(n, h, generator=g)
+    if rows == "e4m3":
+        data, scale = ops.quantize(x, 0, None)
+        dy64 = dequantize_reference(data, scale, torch.float64)
+    else:
+        data, scale = x.to(rows), None
+        dy64 = data.double()
+    eo = (torch.randn(n, h, generator=g) * 3).to(dtype)
+    w = torch.rand(n, generator=g)
+    for weights in (w, None):
+        for expert_out in (None, eo):  # the last: the router-weight gradient, checked below
+            grad, gw = ops.combine_backward_rows(data, scale, weights, expert_out, dtype)
+            want, want_w = combine_backward_rows_reference(data, scale, weights, expert_out, dtype)
+            assert _same_floats(grad, want) and _same_floats(gw, want_w)
+            if weights is None:
+                old = ops.dequantize(data, scale, dtype) if rows == "e4m3" else data.to(dtype)
+            else:
+                old = ops.dequantize(data, scale * weights, dtype) if rows == "e4m3" else \
+                    (data.float() * weights.unsqueeze(1)).to(dtype)
+            assert _same_floats(grad, old)  # what the backward computed before the fusion
+            assert gw.shape == ((n,) if expert_out is not None else (0,)) and gw.dtype == torch.float32
+    dot = (dy64 * eo.double()).sum(1)
+    finite = dot.isfinite()
+    err = (gw[finite].double() - dot[finite]).abs()
+    bound = 1e-5 * (dy64.abs() * eo.double().abs()).sum(1)[finite] + 1e-30
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert not gw[~finite].isfinite().any()
+    if rows == "e4m3" and h >= 16:
+        assert gw[1] == 0 and gw[2].isnan() and gw[3].isnan()  # a zero row, a NaN row, an Inf row
+
+
+def test_combine_backward_rows_bad_inputs_and_fake():
+    data, scale = ops.quantize(torch.randn(4, 32), 0, None)
+    eo = torch.randn(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="need their row scale"):
+        ops.combine_backward_rows(data, None, None, None, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="raw rows take no scale"):
+        ops.combine_backward_rows(eo, scale, None, None, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="the gradient's dtype"):
+        ops.combine_backward_rows(data, scale, None, eo, torch.float32)
+    with pytest.raises(RuntimeError, match="weights must be a contiguous float32 vector"):
+        ops.combine_backward_rows(data, scale, torch.ones(3), eo, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype must be"):
+        ops.combine_backward_rows(data, scale, None, None, torch.int32)
+    with pytest.raises(RuntimeError, match="e4m3 or float32"):
+        ops.combine_backward_rows(data.view(torch.uint8), None, None, None, torch.float32)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    for e in (eo, None):
+        real = ops.combine_backward_rows(data, scale, torch.ones(4), e, torch.bfloat16)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = ops.combine_backward_rows(data, scale, torch.ones(4), e, torch.bfloat16)
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "../ops.h"
@@ -388,6 +389,68 @@ std::tuple<Tensor, Tensor> capacity_drop_cpu(const Tensor& topk_idx, const Tenso
     }
   });
   return {out, at::scalar_tensor(dropped, topk_idx.options().dtype(at::kLong))};
+}
+
+
+namespace {
+
+// One row of combine_backward_rows. D: the rows' element type (uint8_t: e4m3 bytes, scaled by s),
+// T: the gradient's and expert_out's.
+template <typename D, typename T>
+void combine_backward_row(const D* dy, float s, const float* w, const T* eo, int64_t H, T* grad, float* grad_w) {
+  constexpr bool fp8 = std::is_same<D, uint8_t>::value;
+  auto value = [&](int64_t h) {
+    if constexpr (fp8) return f32_from_e4m3(dy[h]);
+    else return static_cast<float>(dy[h]);
+  };
+  // the gradient: e4m3 * (scale * weight) (what dequantize(data, scale * w) gives), raw * weight
+  const float m = fp8 ? (w ? s * *w : s) : (w ? *w : 1.0f);
+  const bool scaled = fp8 || w;
+  for (int64_t h = 0; h < H; ++h) grad[h] = static_cast<T>(scaled ? value(h) * m : value(h));
+  if (!eo) return;
+  // the dot product in fp8_common.h's order (kDotUnit, sum16_pairwise, kDotLanes)
+  float lane[kDotLanes] = {};
+  for (int64_t u = 0; u * kDotUnit < H; ++u) {
+    float p[kDotUnit];
+    for (int e = 0; e < kDotUnit; ++e) {
+      const int64_t h = u * kDotUnit + e;
+      p[e] = h < H ? value(h) * static_cast<float>(eo[h]) : 0.0f;
+    }
+    lane[u % kDotLanes] = add_rn(lane[u % kDotLanes], sum16_pairwise(p));
+  }
+  for (int o = kDotLanes / 2; o > 0; o >>= 1)
+    for (int l = 0; l < o; ++l) lane[l] = add_rn(lane[l], lane[l + o]);
+  *grad_w = fp8 ? lane[0] * s : lane[0];
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> combine_backward_rows_cpu(const Tensor& data, const std::optional<Tensor>& scale,
+                                                     const std::optional<Tensor>& weights,
+                                                     const std::optional<Tensor>& expert_out, at::ScalarType dtype) {
+  const bool fp8 = check_combine_backward_rows(data, scale, weights, expert_out, dtype);
+  const int64_t N = data.size(0), H = data.size(1);
+  auto grad = at::empty({N, H}, data.options().dtype(dtype));
+  auto grad_w = at::empty({expert_out.has_value() ? N : 0}, data.options().dtype(at::kFloat));
+  const float* sp = fp8 ? scale->data_ptr<float>() : nullptr;
+  const float* wp = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  float* gwp = grad_w.data_ptr<float>();
+  // e4m3 rows as their bytes (uint8_t), raw rows in their own type
+  const at::ScalarType rows = fp8 ? at::kByte : data.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND3(at::kHalf, at::kBFloat16, at::kByte, rows, "fp8a2a_combine_backward_rows", [&] {
+    using d_t = scalar_t;
+    const auto* dp = reinterpret_cast<const d_t*>(data.data_ptr());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fp8a2a_combine_backward_rows", [&] {
+      const scalar_t* ep = expert_out.has_value() ? expert_out->data_ptr<scalar_t>() : nullptr;
+      scalar_t* gp = grad.data_ptr<scalar_t>();
+      at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+        for (int64_t n = lo; n < hi; ++n)
+          combine_backward_row<d_t, scalar_t>(dp + n * H, fp8 ? sp[n] : 1.0f, wp ? wp + n : nullptr,
+                                              ep ? ep + n * H : nullptr, H, gp + n * H, gwp + n);
+      });
+    });
+  });
+  return {grad, grad_w};
 }
 
 }  // namespace fp8a2a

@@ -1,7 +1,7 @@
 // combine_pack (expert side: the weighted sum of a received row's expert outputs in float32, one
-// wire row in the activation's dtype or e4m3)
-// and combine_unpack (token side: the sum of the rows sent back for a token): kernels and host
-// entry points.
+// wire row in the activation's dtype or e4m3), combine_unpack (token side: the sum of the rows
+// sent back for a token) and combine_backward_rows (expert side of combine's backward: the
+// gradient of expert_out and of the router weights from dy's rows): kernels and host entry points.
 #include "common.cuh"
 
 namespace fp8a2a {
@@ -239,6 +239,167 @@ __global__ void __launch_bounds__(256) combine_unpack_scalar_kernel(CombUnpackPa
   sum_extra(p, t);
 }
 
+// =============================================================================================
+// combine_backward_rows: one warp per row of dy as it came back to the experts (e4m3 + row scale,
+// or raw). Each lane reads its units of the row and of expert_out once, writes the gradient once
+// and sums its units' products; the warp reduces them in fp8_common.h's order (kDotUnit) so the
+// router-weight gradient equals the CPU's bit for bit.
+// =============================================================================================
+constexpr int kBwdWarps = 8;  // rows per block
+
+struct E4M3 {};  // the rows' element type tag of e4m3 rows (raw rows: their float type)
+
+struct CombBwdParams {
+  const void* data;
+  const float* scale;    // e4m3 rows: the row scales
+  const float* weights;  // nullptr: unweighted
+  const void* eo;        // nullptr: no router-weight gradient
+  void* grad;
+  float* grad_w;
+  int64_t N, H;
+};
+
+// A unit of dy as loaded (its 16-byte words: 4 for e4m3, 4-16 for raw rows) and its 16 unscaled values.
+template <typename D>
+struct DyUnit {
+  static constexpr int kWords = Elem<D>::kWords;
+  static __device__ __forceinline__ void load(const void* row, int64_t u, uint32_t (&w)[kWords]) {
+    load_unit<D>(reinterpret_cast<const D*>(row), u, w);
+  }
+  static __device__ __forceinline__ void values(const uint32_t (&w)[kWords], float (&f)[16]) {
+#pragma unroll
+    for (int e = 0; e < 16; ++e) f[e] = Elem<D>::get(w, e);
+  }
+};
+
+template <>
+struct DyUnit<E4M3> {
+  static constexpr int kWords = 4;
+  static __device__ __forceinline__ void load(const void* row, int64_t u, uint32_t (&w)[kWords]) {
+    const uint4 q = load_fp8_unit(reinterpret_cast<const uint8_t*>(row) + u * 16);
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+  }
+  static __device__ __forceinline__ void values(const uint32_t (&w)[kWords], float (&f)[16]) {
+    fp8_unit_to_f32(make_uint4(w[0], w[1], w[2], w[3]), f);
+  }
+};
+
+template <typename D>
+__device__ __forceinline__ float load_dy1(const void* row, int64_t h) {
+  if constexpr (std::is_same<D, E4M3>::value) return e4m3_to_f32_1(reinterpret_cast<const uint8_t*>(row)[h]);
+  else return Elem<D>::load1(reinterpret_cast<const D*>(row) + h);
+}
+
+// Units in flight per lane: 4 where a unit of dy and of expert_out is at most 16 words together.
+template <typename D, typename T>
+constexpr int bwd_batch() {
+  constexpr int words = DyUnit<D>::kWords + Elem<T>::kWords;
+  return words <= 16 ? 4 : (words <= 32 ? 2 : 1);
+}
+
+// This warp's row and its multipliers: s the row scale (1 for raw rows), m the gradient's
+// multiplier (e4m3: s * weight, as dequantize(data, scale * w); raw: the weight), scaled: whether
+// to multiply at all (raw unweighted rows are converted as they are).
+struct BwdRow {
+  int64_t n;
+  float s, m;
+  bool scaled;
+};
+
+template <typename D>
+__device__ __forceinline__ BwdRow bwd_row(const CombBwdParams& p) {
+  constexpr bool fp8 = std::is_same<D, E4M3>::value;
+  BwdRow r;
+  r.n = static_cast<int64_t>(blockIdx.x) * kBwdWarps + (threadIdx.x >> 5);
+  r.s = fp8 && r.n < p.N ? __ldg(p.scale + r.n) : 1.0f;
+  const float w = p.weights && r.n < p.N ? __ldg(p.weights + r.n) : 1.0f;
+  r.m = fp8 ? (p.weights ? __fmul_rn(r.s, w) : r.s) : w;
+  r.scaled = fp8 || p.weights != nullptr;
+  return r;
+}
+
+// the lanes' partials summed (fp8_common.h step 4) and written by lane 0: e4m3 rows' times the scale
+template <typename D>
+__device__ __forceinline__ void store_grad_w(const CombBwdParams& p, const BwdRow& r, float acc) {
+#pragma unroll
+  for (int o = kDotLanes / 2; o > 0; o >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(kFull, acc, o));
+  if ((threadIdx.x & 31) == 0) p.grad_w[r.n] = std::is_same<D, E4M3>::value ? __fmul_rn(acc, r.s) : acc;
+}
+
+template <typename D, typename T>
+__global__ void __launch_bounds__(kBwdWarps * 32) combine_backward_vec_kernel(CombBwdParams p) {
+  constexpr int B = bwd_batch<D, T>();
+  constexpr int64_t kDataElem = std::is_same<D, E4M3>::value ? 1 : sizeof(D);
+  const BwdRow r = bwd_row<D>(p);
+  if (r.n >= p.N) return;  // the whole warp: its lanes share the row
+  const int lane = threadIdx.x & 31;
+  const int64_t U = p.H / 16;
+  const void* drow = reinterpret_cast<const uint8_t*>(p.data) + r.n * p.H * kDataElem;
+  const T* erow = p.eo ? reinterpret_cast<const T*>(p.eo) + r.n * p.H : nullptr;
+  T* grow = reinterpret_cast<T*>(p.grad) + r.n * p.H;
+  float acc = 0.0f;
+  for (int64_t u0 = lane; u0 < U; u0 += kDotLanes * B) {
+    uint32_t dw[B][DyUnit<D>::kWords];
+    uint32_t ew[B][Elem<T>::kWords];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {  // every load of the batch first: B units in flight
+      const int64_t u = u0 + static_cast<int64_t>(b) * kDotLanes;
+      if (u < U) {
+        DyUnit<D>::load(drow, u, dw[b]);
+        if (erow) load_unit<T>(erow, u, ew[b]);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const int64_t u = u0 + static_cast<int64_t>(b) * kDotLanes;
+      if (u < U) {
+        float f[16];
+        DyUnit<D>::values(dw[b], f);
+        uint32_t gw[Elem<T>::kWords];
+#pragma unroll
+        for (int e = 0; e < 16; ++e) Elem<T>::put(gw, e, r.scaled ? __fmul_rn(f[e], r.m) : f[e]);
+        store_unit<T>(grow, u, gw);
+        if (erow) {  // unit u belongs to lane u % 32: this lane, in increasing u
+          float pr[kDotUnit];
+#pragma unroll
+          for (int e = 0; e < 16; ++e) pr[e] = __fmul_rn(f[e], Elem<T>::get(ew[b], e));
+          acc = __fadd_rn(acc, sum16_pairwise(pr));
+        }
+      }
+    }
+  }
+  if (erow) store_grad_w<D>(p, r, acc);
+}
+
+// Any H and any alignment: element by element, the same units, lanes and order.
+template <typename D, typename T>
+__global__ void __launch_bounds__(kBwdWarps * 32) combine_backward_scalar_kernel(CombBwdParams p) {
+  constexpr int64_t kDataElem = std::is_same<D, E4M3>::value ? 1 : sizeof(D);
+  const BwdRow r = bwd_row<D>(p);
+  if (r.n >= p.N) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t U = (p.H + kDotUnit - 1) / kDotUnit;
+  const void* drow = reinterpret_cast<const uint8_t*>(p.data) + r.n * p.H * kDataElem;
+  const T* erow = p.eo ? reinterpret_cast<const T*>(p.eo) + r.n * p.H : nullptr;
+  T* grow = reinterpret_cast<T*>(p.grad) + r.n * p.H;
+  float acc = 0.0f;
+  for (int64_t u = lane; u < U; u += kDotLanes) {
+    float pr[kDotUnit];
+#pragma unroll
+    for (int e = 0; e < kDotUnit; ++e) {
+      const int64_t h = u * kDotUnit + e;
+      pr[e] = 0.0f;  // past the row: a product of +0
+      if (h < p.H) {
+        const float v = load_dy1<D>(drow, h);
+        Elem<T>::store1(grow + h, r.scaled ? __fmul_rn(v, r.m) : v);
+        if (erow) pr[e] = __fmul_rn(v, Elem<T>::load1(erow + h));
+      }
+    }
+    if (erow) acc = __fadd_rn(acc, sum16_pairwise(pr));
+  }
+  if (erow) store_grad_w<D>(p, r, acc);
+}
+
 }  // namespace
 
 Tensor combine_pack_cuda(const Tensor& expert_out, const Tensor& slot_pos, const std::optional<Tensor>& weights,
@@ -314,6 +475,43 @@ std::tuple<Tensor, Tensor> combine_unpack_cuda(const Tensor& buf, const Tensor& 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {y, extra};
+}
+
+std::tuple<Tensor, Tensor> combine_backward_rows_cuda(const Tensor& data, const std::optional<Tensor>& scale,
+                                                      const std::optional<Tensor>& weights,
+                                                      const std::optional<Tensor>& expert_out, at::ScalarType dtype) {
+  const bool fp8 = check_combine_backward_rows(data, scale, weights, expert_out, dtype);
+  const int64_t N = data.size(0), H = data.size(1);
+  const c10::cuda::CUDAGuard guard(data.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  auto grad = at::empty({N, H}, data.options().dtype(dtype));
+  auto grad_w = at::empty({expert_out.has_value() ? N : 0}, data.options().dtype(at::kFloat));
+  if (N == 0) return {grad, grad_w};
+  CombBwdParams p{};
+  p.data = data.data_ptr();
+  p.scale = fp8 ? scale->data_ptr<float>() : nullptr;
+  p.weights = weights.has_value() ? weights->data_ptr<float>() : nullptr;
+  p.eo = expert_out.has_value() ? expert_out->data_ptr() : nullptr;
+  p.grad = grad.data_ptr();
+  p.grad_w = grad_w.data_ptr<float>();
+  p.N = N;
+  p.H = H;
+  const bool vec = H % 16 == 0 && aligned16(p.data) && (!p.eo || aligned16(p.eo)) && aligned16(p.grad);
+  const int64_t blocks = (N + kBwdWarps - 1) / kBwdWarps;
+  auto launch = [&](auto rows_tag) {
+    using D = decltype(rows_tag);
+    FP8A2A_DISPATCH_FLOAT_AND_DOUBLE(dtype, "combine_backward_rows", [&] {
+      if (vec) combine_backward_vec_kernel<D, scalar_t><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
+      else combine_backward_scalar_kernel<D, scalar_t><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  };
+  if (fp8) {
+    launch(E4M3{});
+  } else {
+    FP8A2A_DISPATCH_FLOAT(data.scalar_type(), "combine_backward_rows", [&] { launch(scalar_t{}); });
+  }
+  return {grad, grad_w};
 }
 
 }  // namespace fp8a2a

@@ -27,6 +27,7 @@
 //   dispatch_unpack   1 (each block builds the small rank/expert offset tables from recv_counts)
 //   combine_pack      1
 //   combine_unpack    1
+//   combine_backward_rows 1 (a warp per row)
 // Corrupt input cannot raise on the GPU without a sync: out-of-range positions are skipped instead
 // (their slot_pos entries are -1), out-of-range expert ids are counted in the bad-ids column, rows
 // over a rank's capacity are not written (send_pos -1).

@@ -36,9 +36,9 @@ size, finds the crossover below which BF16 wins and recommends `bf16_below_bytes
 # The benchmark API: what benchmarks/*.py (and the GPU tests) build on, so that the sweep and the
 # single-GPU benchmarks time, count and compare alike. Everything else in this package is the CLI's.
 from .baseline import MegatronStyleAlltoAll, make_routing  # the BF16 baseline; uniform routing
-from .costs import TIMING, host_reference_us, profile_call, spread, time_calls  # counts and timing
+from .costs import TIMING, host_reference_us, profile_call, spread, time_calls, top_ops  # counts and timing
 from .report import percentile
 from .timing import capture_cuda_graph, cuda_median_ms
 
 __all__ = ["MegatronStyleAlltoAll", "make_routing", "TIMING", "host_reference_us", "profile_call", "spread",
-           "time_calls", "percentile", "capture_cuda_graph", "cuda_median_ms"]
+           "time_calls", "top_ops", "percentile", "capture_cuda_graph", "cuda_median_ms"]

@@ -105,20 +105,30 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
             "marker": cut is not None}
 
 
-def profile_call(fn: Callable[[], object], device=None, warmup: int = 1) -> Optional[dict]:
-    """count() of one fn() after `warmup` calls; None off CUDA. Profiler failures propagate."""
+def profile_call(fn: Callable[..., object], device=None, warmup: int = 1,
+                 setup: Optional[Callable[[], object]] = None) -> Optional[dict]:
+    """count() of one fn() after `warmup` calls; None off CUDA. Profiler failures propagate.
+    setup: each call is fn(setup()), setup's work outside the profile (e.g. the forward whose
+    backward fn is: one phase of a training step)."""
     import torch
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
     from torch.profiler import ProfilerActivity, profile, record_function
+    args = (lambda: (setup(),)) if setup is not None else (lambda: ())
     for _ in range(warmup):
-        fn()
+        fn(*args())
+    a = args()
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        fn(*a)
         with record_function(MARKER):
             torch.cuda.synchronize(device)
     return count(from_profiler(prof.events()))
+
+
+def top_ops(by_op: dict, n: int = 8) -> List[Tuple[str, float]]:
+    """The n kernels (or copy kinds) of a count()'s busy_us_by_op with the most device time, most first."""
+    return sorted(by_op.items(), key=lambda kv: -kv[1])[:n]
 
 
 def host_reference_us(device, calls: int = 2000, runs: int = 5) -> float:

@@ -451,6 +451,56 @@ def combine_dtype_name(h, mis, eo_dtype, wire, quant):
     return f"combine_pack H={h} {_dtype_name(eo_dtype)}->{_dtype_name(wire)} quant={int(quant)}" + \
         (" misaligned" if mis else "")
 
+# combine_backward_rows: (rows, hidden, dy's rows: "e4m3" or a raw dtype, the gradient's dtype,
+# misaligned rows and expert_out). One warp per row: H % 16 == 0 and 16-byte aligned rows take the
+# vector kernel, any other the scalar one; both sum the router-weight gradient in fp8_common.h's order.
+COMBINE_BACKWARD_CASES = [
+    (0, 7168, "e4m3", torch.bfloat16, False),
+    (37, 7168, "e4m3", torch.bfloat16, False),
+    (37, 7168, "e4m3", torch.float16, False),
+    (37, 7168, "e4m3", torch.float32, False),
+    (37, 7168, "e4m3", torch.float64, False),
+    (37, 7168, torch.bfloat16, torch.bfloat16, False),
+    (37, 4096, torch.float16, torch.float32, False),
+    (37, 2048, torch.float32, torch.bfloat16, False),
+    (37, 2048, torch.float32, torch.float64, False),
+    (300, 200, "e4m3", torch.bfloat16, False),  # H % 16 != 0: scalar kernel
+    (300, 200, torch.bfloat16, torch.float16, False),
+    (33, 31, torch.float16, torch.float16, False),
+    (5, 1, "e4m3", torch.float32, False),
+    (100, 2048, "e4m3", torch.bfloat16, True),  # misaligned: scalar kernel
+    (100, 2048, torch.float32, torch.float32, True),
+    (64, 17408, "e4m3", torch.bfloat16, False),  # 34 units per lane
+    (16, 40960, "e4m3", torch.float32, False),
+    (4096, 7168, "e4m3", torch.bfloat16, False),  # the benchmark's rows (a share of them)
+]
+
+
+def combine_backward_name(n, h, rows, dtype, mis):
+    rows = rows if isinstance(rows, str) else _dtype_name(rows)
+    return f"combine_backward_rows N={n} H={h} {rows}->{_dtype_name(dtype)}" + (" misaligned" if mis else "")
+
+
+def combine_backward_case(g, n, h, rows, dtype, mis):
+    """CPU against CUDA with and without weights and expert_out: the gradient's bytes and the
+    router-weight gradient's bytes (NaNs as NaNs), rows with NaN, Inf, zeros and 1e-6..1e3 spans."""
+    x = make_x(n, h, torch.float32, g)
+    data, scale = ops.quantize(x, 0, None) if rows == "e4m3" else (x.to(rows), None)
+    eo = make_x(n, h, dtype, g, special=n > 20, scale=1e-2)
+    w = torch.rand(n, generator=g)
+    if n > 9:
+        w[9] = float("nan")
+    put = misaligned if mis else (lambda t: t)
+    for weights in (w, None):
+        for expert_out in (eo, None):
+            want = ops.combine_backward_rows(data, scale, weights, expert_out, dtype)
+            got = no_sync(ops.combine_backward_rows, put(dev(data)), dev(scale), dev(weights),
+                          None if expert_out is None else put(dev(expert_out)), dtype)
+            tag = f"weights={int(weights is not None)} expert_out={int(expert_out is not None)}"
+            float_equal(want[0], got[0], "grad " + tag)
+            float_equal(want[1], got[1], "grad_weights " + tag)
+
+
 # (tokens, k, experts, capacity, weights): one block up to 4096 slots (and few enough experts),
 # buckets and a radix select above. weights: "rand", "ties" (a few values, -0 next to +0), "nan"
 # (NaNs of both signs and payloads, infinities, zeros), "one" (every routed slot on one expert,

@@ -11,9 +11,10 @@ import torch
 
 from fp8a2a import ops
 
-from .cuda_cases import (CAPACITY_DROP_CASES, COMBINE_CASES, COMBINE_DTYPE_CASES, COMBINE_MODES, DEVICE,
-                         DISPATCH_CASES, HEADER, RAW, ROWS, TENSOR_NONFINITE_CASES, any_equal, capacity_drop_inputs,
-                         capacity_drop_name, case_id, combine_dtype_name, combine_name, compare_combine_rows, dev,
+from .cuda_cases import (CAPACITY_DROP_CASES, COMBINE_BACKWARD_CASES, COMBINE_CASES, COMBINE_DTYPE_CASES,
+                         COMBINE_MODES, DEVICE, DISPATCH_CASES, HEADER, RAW, ROWS, TENSOR_NONFINITE_CASES, any_equal,
+                         capacity_drop_inputs, capacity_drop_name, case_id, combine_backward_case,
+                         combine_backward_name, combine_dtype_name, combine_name, compare_combine_rows, dev,
                          dispatch_case, dispatch_layout, dispatch_name, exact, float_equal, fp8_equal, make_routing,
                          make_x, misaligned, no_sync, quantize_cases, quantize_name, seeded, tensor_nonfinite_case,
                          tensor_nonfinite_name)
@@ -175,6 +176,15 @@ def test_combine_skips_out_of_range_positions():
     float_equal(ref_y, y, "combine_unpack")
 
 
+# ---- combine_backward_rows ------------------------------------------------------------------------
+@pytest.mark.parametrize("n,h,rows,dtype,mis", COMBINE_BACKWARD_CASES,
+                         ids=[case_id(combine_backward_name(*c)) for c in COMBINE_BACKWARD_CASES])
+def test_combine_backward_rows(n, h, rows, dtype, mis):
+    """The gradient and the router-weight gradient byte for byte: both devices sum the dot products
+    in one blocked order (csrc/fp8_common.h, kDotUnit)."""
+    combine_backward_case(seeded(combine_backward_name(n, h, rows, dtype, mis)), n, h, rows, dtype, mis)
+
+
 # ---- capacity_drop -----------------------------------------------------------------------------
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("t,k,e,cap,weights", CAPACITY_DROP_CASES,
@@ -234,6 +244,7 @@ def graph_inputs():
     i["eo"] = ops.dequantize(data, sc, torch.bfloat16)
     i["buf"] = ops.combine_pack(i["eo"], i["slot_pos"], i["wts"], i["wts"], False)
     i["eo32"] = i["eo"].float()
+    i["w1"] = i["w"][:, 0].contiguous()  # a router weight per row of x (combine_backward_rows)
     return i
 
 
@@ -259,6 +270,9 @@ GRAPHS = {
     "combine_pack float32 rows, bfloat16 wire": lambda i: ops.combine_pack(i["eo32"], i["slot_pos"], i["wts"], None,
                                                                           False, torch.bfloat16),
     "combine_unpack": lambda i: ops.combine_unpack(i["buf"], i["send_pos"], 2048, torch.bfloat16, False, 8),
+    "combine_backward_rows": lambda i: ops.combine_backward_rows(i["q"], i["s"], i["w1"], i["x"], torch.bfloat16),
+    "combine_backward_rows raw, unweighted": lambda i: ops.combine_backward_rows(i["x"], None, None, None,
+                                                                                 torch.float32),
     "capacity_drop (one block)": lambda i: ops.capacity_drop(i["idx"][:300], i["w"][:300], 256, 4),
     "capacity_drop (buckets)": lambda i: ops.capacity_drop(i["idx"], i["w"], 256, 40),
     "capacity_drop (buckets, one expert)": lambda i: ops.capacity_drop(i["one"], i["w"], 256, 40),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import fp8a2a
 from fp8a2a.bench import capture_cuda_graph
 
-from ..test_dispatch import BASE, CASES, cases_for_world, make_inputs, scenario
+from ..test_dispatch import BASE, CASES, TRAIN_BASE, TRAIN_CASES, cases_for_world, make_inputs, scenario, training_step
 
 pytestmark = pytest.mark.gpu
 
@@ -95,6 +95,14 @@ def test_capacity_mode_has_no_host_sync_and_replays_from_a_cuda_graph(nccl_world
         torch.cuda.synchronize()
         assert torch.equal(static_y, expected)
         assert int(static_dropped) == int(expected_dropped) > 0
+
+
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_training_step_gradients_on_cuda(name):
+    """The training step's x.grad, topk_weights.grad and expert rows' gradient against float64 on
+    the GPU (combine_backward_rows' CUDA kernel), and its backward without a host sync."""
+    training_step(0, 1, {**TRAIN_BASE, **TRAIN_CASES[name], "device": "cuda"})
+    training_step(0, 1, {**TRAIN_BASE, **TRAIN_CASES[name], "device": "cuda", "hidden": 7168, "tokens": 40})
 
 
 def test_benchmark_graph_rows_hold_their_inputs():
