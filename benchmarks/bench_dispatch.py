@@ -36,7 +36,6 @@ Needs megatron-core for the Megatron rows and TransformerEngine for moe_permute_
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ import torch.distributed as dist
 
 import fp8a2a
 from fp8a2a import ops
+from fp8a2a.bench import single_process_group
 from fp8a2a.bench import (TIMING, capture_cuda_graph, host_reference_us, profile_call, spread, time_calls,
                           top_ops)
 from fp8a2a.wire import CountsCol, Granularity
@@ -469,12 +469,8 @@ def main():
     cuda = not args.cpu
     if cuda and not torch.cuda.is_available():
         sys.exit("bench_dispatch: needs a CUDA GPU (or --cpu for a functional run)")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
-    if cuda:
-        torch.cuda.set_device(0)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+        single_process_group("nccl" if cuda else "gloo")
     points = [p for p in POINTS if not args.points or p["name"] in args.points.split(",")]
     if args.cpu:
         points = [dict(p, tokens=max(2, p["tokens"] // 64), hidden=256) for p in points]

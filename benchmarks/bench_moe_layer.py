@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp8a2a
+from fp8a2a.bench import single_process_group
 from fp8a2a.bench import MegatronStyleAlltoAll, capture_cuda_graph, cuda_median_ms, make_routing, percentile
 
 TARGET_SPEEDUP = 1.8
@@ -315,9 +316,7 @@ def run(args):
         dist.init_process_group("nccl" if cuda else "gloo")
     elif cuda and args.megatron and importlib.util.find_spec("megatron") is not None:
         # megatron-core needs a process group even at world size 1
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        single_process_group("nccl")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     shapes = GPU_SHAPES if cuda else CPU_SHAPES

@@ -6,16 +6,15 @@ row: bench_dispatch.py's table is the measured figure.
     python benchmarks/profile_dispatch_host.py
 """
 import cProfile
-import os
 import pstats
 import time
 
 import torch
 import torch.distributed as dist
 
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", "29561")
-dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+from fp8a2a.bench import single_process_group
+
+single_process_group("nccl")
 import bench_dispatch as bd  # noqa: E402  (this script's own directory is on sys.path)
 
 x = torch.randn(128, 7168, device="cuda", dtype=torch.bfloat16)

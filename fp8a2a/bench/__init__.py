@@ -37,8 +37,9 @@ size, finds the crossover below which BF16 wins and recommends `bf16_below_bytes
 # single-GPU benchmarks time, count and compare alike. Everything else in this package is the CLI's.
 from .baseline import MegatronStyleAlltoAll, make_routing  # the BF16 baseline; uniform routing
 from .costs import TIMING, host_reference_us, profile_call, spread, time_calls, top_ops  # counts and timing
+from .launch import single_process_group  # a world-size-1 process group (no port)
 from .report import percentile
 from .timing import capture_cuda_graph, cuda_median_ms
 
 __all__ = ["MegatronStyleAlltoAll", "make_routing", "TIMING", "host_reference_us", "profile_call", "spread",
-           "time_calls", "top_ops", "percentile", "capture_cuda_graph", "cuda_median_ms"]
+           "time_calls", "top_ops", "percentile", "capture_cuda_graph", "cuda_median_ms", "single_process_group"]

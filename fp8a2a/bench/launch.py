@@ -1,4 +1,5 @@
-"""The sweep's CPU launch: `world` spawned processes joined by gloo (functional numbers only)."""
+"""Process groups for the benchmarks: the sweep's `world` spawned CPU processes joined by gloo
+(functional numbers only), and a group of one for the single-GPU benchmarks."""
 import datetime
 import socket
 
@@ -14,6 +15,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def single_process_group(backend=None, timeout=datetime.timedelta(minutes=5)):
+    """torch.distributed at world size 1, this process rank 0: `backend` (default NCCL on GPU 0
+    where CUDA is there, else gloo). An in-memory store: no port to pick, none to collide on."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _worker(rank, world, port, fn, args, results):

@@ -26,13 +26,12 @@ adapter itself (fp8a2a.megatron) needs none of it.
 """
 import contextlib
 import dataclasses
-import datetime
 import functools
 
 import torch
 import torch.distributed as dist
 
-from ..bench.launch import free_port
+from ..bench.launch import single_process_group  # noqa: F401  (part of this module's API)
 
 
 @functools.lru_cache(None)
@@ -86,17 +85,6 @@ def cpu_current_device():
     """Without CUDA, let torch.cuda.current_device() name the CPU (process-wide)."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")
-
-
-def single_process_group(backend=None, timeout=datetime.timedelta(minutes=5)):
-    """torch.distributed at world size 1, this process rank 0, met on a free local port: `backend`
-    (default NCCL on GPU 0 where CUDA is there, else gloo)."""
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=timeout)
 
 
 def world_of_one(seed: int = 123):
