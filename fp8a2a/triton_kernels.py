@@ -1,16 +1,7 @@
 """Triton kernels of the expert path (fp8a2a.experts). Imported lazily: CPU machines need no Triton.
-The GEMMs live in fp8a2a.triton_gemm and are re-exported here, so this is the one module to load.
+The GEMMs (grouped_mm, grouped_mm_fp8, grouped_wgrad) live in fp8a2a.triton_gemm and are
+re-exported here, so this is the one module to load.
 
-- grouped_mm: out[m] = sa[m] * (A[m] @ B[e(m)]^T) * sb[e(m)], rows grouped by expert through int32
-  cumulative row ends (offs). A fp8 or bf16; sa none, per row [M] or per 128-block [M, K/128]
-  (block scales are applied per K step: block128 input is consumed as it is); sb none or [E, N].
-  B is given by strides, so the same kernel does the forward ([E, N, K] weights), the bf16 dgrad
-  (W read transposed) and the fp8 dgrad (a [E, K, N] copy).
-- grouped_mm_fp8: the same product for contiguous e4m3 operands with row scales, fed by TMA with
-  one 128 x 256 x 128 tile and accumulating without promotion: what the scaled_grouped_mm backend
-  runs instead of torch._scaled_grouped_mm up to a few thousand rows per expert (faster there).
-- grouped_wgrad: out[e] = G_e^T @ (sx * X_e): the weight gradient, consuming the saved FP8 input and
-  its scales directly (no BF16 copy of the input).
 - act_quant: activation (swiglu / gelu / relu / identity) * router weight, then e4m3 per row with the
   package's scale rule (amax / 448, IEEE divisions): one kernel, two passes over the row.
 - act_bwd: the activation's backward and the router-weight gradient in one kernel.
