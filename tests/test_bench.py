@@ -1,40 +1,38 @@
 """The benchmarks' own logic on the CPU: statistics, bandwidth, crossover, the BF16 baseline's
-semantics, a tiny sweep over 2 gloo ranks (JSON, CSV, PNG, exact wire bytes), host-cost counting
-from synthetic profiler events, the scale model and its measured inputs and error report, and the
-kernel, MoE-layer and dispatch benchmarks at functional sizes (run as programs: tests import no
-benchmark)."""
+semantics, the command line's refusals, a tiny sweep over 2 gloo ranks (table, JSON, CSV, PNG,
+exact wire bytes), host-cost counting from synthetic profiler events, the scale model's arithmetic,
+its measured inputs and error report, and the kernel, MoE-layer and dispatch benchmarks at
+functional sizes (run as programs: tests import no CLI or benchmark)."""
+import argparse
 import csv
 import dataclasses
 import importlib.util
 import json
 import math
 import os
-import subprocess
-import sys
+import re
 
 import pytest
 import torch
 
-from fp8a2a import ops
+from fp8a2a import DispatcherConfig, ops
 from fp8a2a.bench import baseline, costs, model as bench_model, report, sweep
-from fp8a2a.wire import CountsCol
-from fp8a2a.dispatcher import DEFAULT_BF16_BELOW_BYTES
 from fp8a2a.wire import CountsCol, Granularity
 
 from .distributed import run_ranks
-
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-
-
-def _run(*argv):
-    """`python ARGV` as a user runs it, from this checkout (the tests import no CLI or benchmark)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+from .programs import ROOT, default_env, free_port, run
 
 
-def _bench_command(*argv):
-    return _run("-m", "fp8a2a.bench", *argv)
+def _run(*argv, **kw):
+    """`python ARGV` as a user runs it, from this checkout, on a port of its own: a benchmark that
+    starts a process group at world size 1 takes MASTER_PORT, else a fixed one a concurrent run may hold."""
+    return run(*argv, env=default_env(MASTER_PORT=str(free_port())), **kw)
+
+DEFAULT_BF16_BELOW_BYTES = DispatcherConfig().bf16_below_bytes
+
+
+def _bench_command(*argv, **kw):
+    return _run("-m", "fp8a2a.bench", *argv, **kw)
 
 
 def _benchmark(name, *argv):
@@ -167,13 +165,22 @@ def test_megatron_style_baseline_is_differentiable():
 
 def test_tiny_sweep_writes_json_csv_png(tmp_path):
     out = tmp_path / "a2a.json"
+    out.write_text("an earlier run")
     tokens, H, E, K, world = [16, 48], 256, 8, 2, 2
-    run = _bench_command("--world", world, "--tokens", ",".join(map(str, tokens)), "--hidden", H, "--experts", E,
-                         "--topk", K, "--granularity", "row,block128", "--iters", "2", "--warmup", "0", "--json", out,
-                         "--quiet")
+    argv = ("--world", world, "--tokens", ",".join(map(str, tokens)), "--hidden", H, "--experts", E, "--topk", K,
+            "--granularity", "row,block128", "--iters", "2", "--warmup", "0", "--json", out, "--quiet")
+    refused = _bench_command(*argv)  # results are not overwritten without --force
+    assert refused.returncode == 2 and "--force" in refused.stderr and out.read_text() == "an earlier run"
+    run = _bench_command(*argv, "--force")
     assert run.returncode == 0, run.stderr
     text = run.stdout
     assert "FUNCTIONAL NUMBERS ONLY" in text and "bf16_below_bytes" in text and "summary" in text
+    table = text.split("benchmark: world size")[1].split("variants:")[0].splitlines()[1:]
+    assert table[1].split()[:5] == ["series", "tokens", "msg/rank", "megatron", "fp8a2a-fp8"]
+    assert "dispatch ms" in table[0] and len(table) == 3 + 2 * len(tokens) and max(map(len, table)) <= 120
+    assert "busbw" not in table[1] and "not shown on a CPU" in text  # GPU figures stay off a CPU table
+    for name in ("megatron", "fp8a2a-bf16", "fp8a2a-fp8"):  # the legend names every variant
+        assert re.search(rf"^  {name} +\S", text, re.M), name
 
     doc = json.loads(out.read_text())
     assert doc["functional_only"] is True and doc["meta"]["world"] == world
@@ -216,6 +223,126 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path):
         assert not png.exists() and "matplotlib is not installed" in text
     else:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the command line: every wrong usage is refused in one line, before any rank starts ---------
+
+BAD_USAGE = {  # argv: what the one line must say (the flag, the valid values)
+    ("--world", "0"): ["--world", ">= 1"],
+    ("--world", "3"): ["world size 3", "valid world sizes 1,2,4,8,16"],
+    ("--world", "3", "--series", "cpu-h256-k2"): ["cpu-h256-k2: 8", "valid world sizes 1,2,4,8"],
+    ("--iters", "0"): ["--iters", ">= 1"],
+    ("--iters", "many"): ["--iters", ">= 1"],
+    ("--warmup", "-1"): ["--warmup", ">= 0"],
+    ("--granularity", "fp4"): ["'fp4'", "row, block128, tensor"],
+    ("--granularity", "row,fp4"): ["'fp4'", "row, block128, tensor"],
+    ("--tokens", "-5"): ["--tokens", ">= 1"],
+    ("--tokens", "64,0"): ["--tokens", ">= 1"],
+    ("--tokens", ","): ["--tokens", ">= 1"],
+    ("--hidden", "-1"): ["--hidden", ">= 1"],
+    ("--experts", "0"): ["--experts", ">= 1"],
+    ("--topk", "17"): ["--topk 17", "valid 1..16"],
+    ("--hidden", "200", "--granularity", "block128"): ["--hidden 200", "multiple of 128"],
+    ("--series", "gpt5"): ["'gpt5'", "deepseek-v3", "cpu-h256-k2"],
+    ("--series", "cpu-h256-k2", "--hidden", "512"): ["--series", "one or the other"],
+    ("--seed", "-2"): ["--seed", ">= 0"],
+    ("--out", "x", "--json", "y.json"): ["--json", "--out"],
+    ("--no-profile", "--profile-all"): ["--profile-all", "--no-profile"],
+    ("--frobnicate",): ["unrecognized arguments: --frobnicate"],
+    ("--ep", "8"): ["--ep", "only applies with --model"],
+    ("--model", "--tokens", "64"): ["--tokens", "not to --model"],
+    ("--model", "--ep", "0"): ["--ep", ">= 1"],
+    ("--model", "--net-gbps", "0"): ["--net-gbps", "> 0"],
+    ("--model", "--model-topk", "300"): ["--model-topk 300", "valid 1..256"],
+    ("--model", "--kernels-json", "missing.json"): ["--kernels-json missing.json", "no such file"],
+}
+
+
+@pytest.mark.parametrize("argv", list(BAD_USAGE), ids=" ".join)
+def test_wrong_usage_is_refused_in_one_line_before_anything_runs(argv, tmp_path):
+    run = _bench_command(*argv, *(() if {"--out", "--json", "--model"} & set(argv) else ("--out", tmp_path / "out")),
+                         cwd=tmp_path)
+    assert run.returncode == 2 and run.stdout == "", (run.stdout, run.stderr)
+    line = run.stderr.strip()
+    assert "\n" not in line and line.startswith("python -m fp8a2a.bench: error: "), run.stderr
+    for want in BAD_USAGE[argv]:
+        assert want in line, (want, line)
+    assert list(tmp_path.iterdir()) == []  # no rank started, nothing written
+
+
+def test_existing_results_need_force(tmp_path):
+    (tmp_path / "alltoall.csv").write_text("an earlier run")
+    run = _bench_command("--out", tmp_path, "--tokens", "16")
+    assert run.returncode == 2 and f"{tmp_path / 'alltoall.csv'} exists" in run.stderr and "--force" in run.stderr
+    assert (tmp_path / "alltoall.csv").read_text() == "an earlier run"
+    (tmp_path / "m.json").write_text("{}")
+    run = _bench_command("--model", "--no-measure", "--json", tmp_path / "m.json")
+    assert run.returncode == 2 and "--force" in run.stderr
+    assert _bench_command("--model", "--no-measure", "--json", tmp_path / "m.json", "--force").returncode == 0
+
+
+def test_help_documents_every_flag_with_its_defaults():
+    run = _bench_command("--help")
+    assert run.returncode == 0
+    text = run.stdout
+    flags = sorted(set(re.findall(r"\[(--[a-z-]+)", text.split("\n\n")[0])))
+    assert len(flags) > 25
+    for flag in flags:  # every flag has a line of help after its name
+        m = re.search(rf"^  {flag}(?: [A-Z,./]+)?(?:\n {{20,}}| +)(\S.*)$", text, re.M)
+        assert m and len(m.group(1)) > 10, flag
+    for name in sweep.NAMED_SERIES:  # the series can be picked by name, and are listed
+        assert re.search(rf"^  {name} +hidden", text, re.M), name
+    flat = " ".join(text.split())  # argparse wraps the help at the terminal's width
+    assert all(s in flat for s in ("row, block128, tensor", "CPU 64,256,1024,2048", "(default 4)", "CPU 5, GPU 20"))
+
+
+def test_nothing_is_written_when_nothing_was_measured(tmp_path):
+    rec = {"series": "s", "tokens": 16, "msg_bytes": 4096, **{f"{v}_error": "RuntimeError: no kernel"
+                                                             for v in report.VARIANTS}}
+    args = argparse.Namespace(json=None, out=str(tmp_path / "out"), no_plot=False)
+    out = tmp_path / "stdout.txt"
+    with open(out, "w") as f:
+        assert report.report([rec], {"functional_only": True, "world": 2, "iters": 1}, args, out=f) is None
+    assert "nothing was measured: no file written" in out.read_text() and not (tmp_path / "out").exists()
+
+
+def _table_record(series, tokens, gpu):
+    r = {"series": series, "tokens": tokens, "msg_bytes": tokens * 7168 * 2, "wire_ratio_dispatch": 0.337,
+         "speedup_dispatch": 2.5, "speedup_total": 1.75, "speedup_fp8_vs_bf16_wire_dispatch": 1.125}
+    for v, ms in (("megatron_bf16", 12.3456), ("fp8a2a_bf16", 5.5), ("fp8a2a_fp8", 0.123456)):
+        r.update({f"{v}_dispatch_ms": ms, f"{v}_host_us": 1234.5678, f"{v}_busbw_GBps": 345.678,
+                  f"{v}_launches": 11 if gpu else None, f"{v}_syncs": 1 if gpu else None})
+    return r
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_table_units_precision_and_gpu_columns(gpu):
+    recs = [_table_record("deepseek-v3-b128", t, gpu) for t in (128, 16384)]
+    lines = report.format_table(recs, gpu=gpu).splitlines()
+    assert max(map(len, lines)) <= 120 and len(lines) == 5
+    groups, head, row = lines[0], lines[1], lines[3].split()
+    assert "dispatch ms" in groups and "speedup x" in groups and ("GPU" in groups) == gpu
+    assert row[:7] == ["deepseek-v3-b128", "128", "1.8", "MiB", "12.3", "0.123", "2.50"]  # 3 significant digits
+    assert row[7:10] == ["1.75", "1.12", "0.337"]
+    if gpu:
+        assert head.split()[-5:] == ["host", "ms", "busbw", "kernels", "syncs"]
+        assert row[10:] == ["1.23/1.23", "346", "11/11", "1/1"]
+    else:
+        assert len(row) == 10 and not {"busbw", "kernels", "syncs", "host"} & set(head.split())
+    legend = report.table_legend({"functional_only": not gpu, "iters": 5})
+    assert "median of 5" in legend and ("busbw" in legend) == gpu and "msg/rank: the BF16 input per rank" in legend
+
+
+def test_speedup_bands_are_the_per_iteration_ratios():
+    rec = {f"{v}_{k}": None for v in report.VARIANTS for k in ("dispatch_ms", "total_ms")}
+    rec.update(megatron_bf16_dispatch_ms=4.0, megatron_bf16_total_ms=6.0, fp8a2a_fp8_dispatch_ms=2.0,
+               fp8a2a_fp8_total_ms=3.0, fp8a2a_bf16_dispatch_ms=3.0, fp8a2a_bf16_total_ms=5.0)
+    times = {"megatron_bf16": [(4.0, 2.0, 0), (6.0, 1.0, 0)], "fp8a2a_fp8": [(1.0, 1.0, 0), (3.0, 3.0, 0)],
+             "fp8a2a_bf16": [(3.0, 2.0, 0), (3.0, 2.0, 0)]}
+    sweep._speedups(rec, times)
+    assert rec["speedup_dispatch"] == 2.0 and (rec["speedup_dispatch_min"], rec["speedup_dispatch_max"]) == (2.0, 4.0)
+    assert (rec["speedup_total_min"], rec["speedup_total_max"]) == (7 / 6, 3.0)
+    assert (rec["speedup_fp8_vs_bf16_wire_dispatch_min"], rec["speedup_fp8_vs_bf16_wire_dispatch_max"]) == (1.0, 3.0)
 
 
 def test_series_skip_when_experts_do_not_split(tmp_path):
@@ -512,8 +639,7 @@ def test_bench_dispatch_grad_rows_and_merge_refuses_a_mix(tmp_path):
     assert grad["grad"] is True and json.loads(parts[1].read_text())["grad"] is False
     for name in ("fp8a2a", "fp8a2a_cap"):
         assert grad["points"][0]["variants"][name]["device_ms"]["median"] > 0, name
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_dispatch.py"), "--merge", *map(str, parts)],
-                          capture_output=True, text=True)
+    done = _run(os.path.join("benchmarks", "bench_dispatch.py"), "--merge", *parts)
     assert done.returncode != 0 and "differ in grad" in done.stderr
     graphs = tmp_path / "graphs.json"  # a part of graph rows only goes with either
     _benchmark("bench_dispatch", "--cpu", "--points", "ws1-128", "--repeat", "1", "--iters", "1", "--warmup", "0",
