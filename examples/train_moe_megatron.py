@@ -29,6 +29,12 @@ import torch.distributed as dist
 
 import fp8a2a.megatron as fm
 
+try:
+    import megatron.core  # noqa: E402,F401
+except ImportError:
+    sys.exit("train_moe_megatron.py needs megatron-core: pip install --no-deps megatron-core==0.16.1 (tested on "
+             "CPU; 0.19.2 on GPUs), or bash scripts/install.sh --test")
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

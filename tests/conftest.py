@@ -16,3 +16,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line with the skipped tests counted by reason (under -q pytest gives only their number)."""
+    reasons = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reason = reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.write_line("skipped: " + "; ".join(
+            f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])))

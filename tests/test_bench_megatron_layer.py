@@ -1,10 +1,10 @@
 """benchmarks/bench_megatron_layer.py runs (CPU functional mode, as a subprocess) and writes its table as JSON."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from .programs import run
 
 pytest.importorskip("megatron.core")
 
@@ -13,10 +13,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 def test_bench_megatron_layer_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_megatron_layer.py"), "--cpu", "--iters", "2",
-           "--big-iters", "1", "--warmup", "1", "--repeat", "2", "--json", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    r = run(os.path.join(ROOT, "benchmarks", "bench_megatron_layer.py"), "--cpu", "--iters", "2", "--big-iters", "1",
+            "--warmup", "1", "--repeat", "2", "--json", out, timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["device"] == "cpu" and [s["experts"] for s in res["shapes"]] == [4, 16]

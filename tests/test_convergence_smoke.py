@@ -7,17 +7,18 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+
+from .programs import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_convergence.py")
 
 
 def run_example(*args):
-    done = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = run(SCRIPT, *args, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
@@ -88,8 +89,7 @@ MEGATRON_SCRIPT = os.path.join(ROOT, "examples", "convergence_megatron.py")
 
 
 def run_megatron_example(*args, check=True):
-    done = subprocess.run([sys.executable, MEGATRON_SCRIPT, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = run(MEGATRON_SCRIPT, *args, timeout=600)
     if check:
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done

@@ -504,13 +504,11 @@ def test_torchrun_suite_on_gloo():
     """tests/gpu/test_dispatch_nccl.py is how multi-GPU machines run these scenarios (NCCL, under
     torchrun); keep it working: here on two CPU ranks over gloo (CUDA hidden)."""
     import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "pytest", "tests/gpu/test_dispatch_nccl.py", "-q", "-p", "no:cacheprovider"],
-                         cwd=root, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-                         timeout=300)
+
+    from .programs import run as run_program
+    run = run_program("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "pytest",
+                      "tests/gpu/test_dispatch_nccl.py", "-q", "-p", "no:cacheprovider",
+                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count(f"{len(CASES)} passed") == 2, run.stdout[-3000:]  # every scenario, on both ranks
 

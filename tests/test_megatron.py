@@ -9,7 +9,6 @@ router gating; CPU current_device in the child processes)."""
 import argparse
 import functools
 import os
-import subprocess
 import sys
 import warnings
 
@@ -709,10 +708,10 @@ def test_fp8_experts_unsupported_configs():
 
 def test_train_script_smoke():
     root = os.path.join(os.path.dirname(__file__), "..")
-    cmd = [sys.executable, os.path.join(root, "examples", "train_moe_megatron.py"), "--device", "cpu", "--steps", "4",
-           "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "64", "--seq-length", "32",
-           "--micro-batch-size", "4", "--vocab-size", "128", "--fp8a2a-bf16-below-bytes", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    from .programs import run  # forked from a warm process: the imports are done
+    r = run(os.path.join(root, "examples", "train_moe_megatron.py"), "--device", "cpu", "--steps", "4",
+            "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "64", "--seq-length", "32",
+            "--micro-batch-size", "4", "--vocab-size", "128", "--fp8a2a-bf16-below-bytes", "0", timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "FP8AlltoAllTokenDispatcher" in r.stdout and "done: loss" in r.stdout, r.stdout

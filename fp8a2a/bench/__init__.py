@@ -7,13 +7,13 @@
 For each point of the sweep (tokens per rank x hidden x experts x top-k x granularity) it times,
 in the same run and in alternating order, three ways of moving the tokens:
 
-  megatron_bf16  the BF16 baseline as megatron-core's `alltoall` dispatcher does it (unfused
+  megatron       the BF16 baseline as megatron-core's `alltoall` dispatcher does it (unfused
                  path, no TP, dropless): count all-gather, host sync, permute (one copy per
                  expert), all_to_all_single of tokens and of probs, sort_chunks_by_idxs; combine:
                  sort back, all_to_all_single, unpermute (scatter_add).
-  fp8a2a_bf16    fp8a2a.Dispatcher with the BF16 wire (what `bf16_below_bytes` falls back to):
+  fp8a2a-bf16    fp8a2a.Dispatcher with the BF16 wire (what `bf16_below_bytes` falls back to):
                  one row per token and destination rank, one all_to_all_single.
-  fp8a2a_fp8     fp8a2a.Dispatcher forced to FP8 (bf16_below_bytes=0).
+  fp8a2a-fp8     fp8a2a.Dispatcher forced to FP8 (bf16_below_bytes=0).
 
 Experts are the identity (the combine input is the dispatched rows' shape in BF16) and router
 weights are left to the experts on both sides, as Megatron does. It reports median and p10/p90
@@ -21,7 +21,9 @@ time (per iteration, the slowest rank), algorithm and bus bandwidth as nccl-test
 for alltoall (algbw = bytes a rank sends / time, busbw = algbw * (n-1)/n), the exact wire bytes,
 the speedups, host time per call, and per call the kernels and host syncs (CUDA, torch.profiler
 events: fp8a2a.bench.costs). It writes a table, JSON, CSV and a PNG of speedup against message
-size, finds the crossover below which BF16 wins and recommends `bf16_below_bytes`. Without a GPU the numbers are functional only.
+size, finds the crossover below which fp8a2a-bf16 wins and recommends `bf16_below_bytes`. Without a
+GPU the numbers are functional only. (In the JSON and CSV the variants are megatron_bf16, fp8a2a_bf16
+and fp8a2a_fp8.)
 """
 # The parts, imported one way (nothing imports cli):
 #   cli       the command line (__main__ runs it): the sweep, or --model

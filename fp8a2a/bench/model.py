@@ -39,30 +39,6 @@ from .timing import cuda_median_ms
 EP_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def ints(s):
-    """'1,2,3' -> [1, 2, 3] (comma-separated command-line lists)."""
-    return [int(v) for v in s.split(",") if v]
-
-
-def add_arguments(p):
-    g = p.add_argument_group("scale model (--model)")
-    g.add_argument("--ep", type=ints, default=list(EP_SIZES), help="EP sizes (default 8..1024)")
-    g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--nvlink-gbps", type=float, default=450.0, help="NVLink GB/s per GPU per direction")
-    g.add_argument("--net-gbps", type=float, default=50.0, help="network (IB) GB/s per GPU per direction")
-    g.add_argument("--model-tokens", type=int, default=4096, help="tokens per rank per micro-batch")
-    g.add_argument("--model-hidden", type=int, default=7168)
-    g.add_argument("--model-ffn", type=int, default=2048)
-    g.add_argument("--model-experts", type=int, default=256)
-    g.add_argument("--model-topk", type=int, default=8)
-    g.add_argument("--kernels-json", help="benchmarks/bench_kernels.py --json output: take the copy and "
-                                          "dispatch_pack bandwidths from it")
-    g.add_argument("--dispatch-json", help="benchmarks/bench_dispatch.py --json output: each side's fixed cost "
-                                           "and Megatron's kernel bandwidth")
-    g.add_argument("--alltoall-json", help="an EP>1 run of `python -m fp8a2a.bench --json`: the link's lower "
-                                           "bound, and the measurement the model is checked against")
-    g.add_argument("--no-measure", action="store_true", help="measure nothing: the built-in H200 defaults")
-
 # The built-in H200 defaults: what the model assumes where nothing is measured (--no-measure, no
 # GPU, no JSON); BENCHMARKS.md has the measurements behind them (2026-11, before issue 17). Kernel
 # bandwidths are shares of a device copy's; overheads are host + launch time per direction

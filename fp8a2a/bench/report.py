@@ -6,11 +6,19 @@ import json
 import math
 import os
 import sys
+import textwrap
 from typing import Dict, Optional, Sequence
 
-from ..dispatcher import DEFAULT_BF16_BELOW_BYTES
+from .. import DispatcherConfig
 
+DEFAULT_BF16_BELOW_BYTES = DispatcherConfig().bf16_below_bytes
 VARIANTS = ("megatron_bf16", "fp8a2a_bf16", "fp8a2a_fp8")
+# What the table, summary and plot call each variant (the JSON and CSV keep the keys above).
+NAMES = {"megatron_bf16": "megatron", "fp8a2a_bf16": "fp8a2a-bf16", "fp8a2a_fp8": "fp8a2a-fp8"}
+LEGEND = ("megatron     megatron-core's `alltoall` dispatcher path in BF16 (the baseline)",
+          "fp8a2a-bf16  fp8a2a.Dispatcher sending BF16 rows (what bf16_below_bytes falls back to)",
+          "fp8a2a-fp8   fp8a2a.Dispatcher sending FP8 rows")
+SPEEDUP_KEYS = ("speedup_dispatch", "speedup_total", "speedup_fp8_vs_bf16_wire_dispatch")
 
 # ------------------------------------------------------------------------------------------
 # statistics, bandwidth, crossover (pure functions: tested on synthetic data)
@@ -83,7 +91,7 @@ def recommend_threshold(crossovers: Dict[str, dict], default: int = DEFAULT_BF16
     always = {k: c for k, c in crossovers.items() if c["status"] == "fp8_always_wins"}
     notes = []
     if never:
-        notes.append(f"FP8 did not win for good at any measured size in: {', '.join(never)}")
+        notes.append(f"fp8a2a-fp8 did not beat fp8a2a-bf16 for good at any measured size in: {', '.join(never)}")
     if crossing:
         worst = max(crossing, key=lambda k: crossing[k]["crossover_bytes"])
         value = _pow2_ceil(crossing[worst]["crossover_bytes"])
@@ -92,12 +100,12 @@ def recommend_threshold(crossovers: Dict[str, dict], default: int = DEFAULT_BF16
     elif always:
         smallest = min(c["crossover_bytes"] for c in always.values())
         value = min(default, int(smallest))
-        text = (f"FP8 won at every size measured (down to {fmt_bytes(smallest)}): keep bf16_below_bytes "
-                f"<= {fmt_bytes(smallest)}; recommended {value} ({fmt_bytes(value)})")
+        text = (f"fp8a2a-fp8 beat fp8a2a-bf16 at every size measured (down to {fmt_bytes(smallest)}): keep "
+                f"bf16_below_bytes <= {fmt_bytes(smallest)}; recommended {value} ({fmt_bytes(value)})")
     else:
         value = None
-        text = (f"no crossover found: FP8 never won for good in this sweep; no bf16_below_bytes to recommend "
-                f"(keep the default {fmt_bytes(default)} or measure larger sizes)")
+        text = (f"no crossover found: fp8a2a-fp8 never beat fp8a2a-bf16 for good in this sweep; no "
+                f"bf16_below_bytes to recommend (keep the default {fmt_bytes(default)} or measure larger sizes)")
     return {"recommended_bytes": value, "text": "; ".join([text] + notes), "default_bytes": default}
 
 
@@ -129,10 +137,10 @@ def analyse(records, default=DEFAULT_BF16_BELOW_BYTES):
 
 CSV_COLUMNS = ["series", "hidden", "experts", "topk", "granularity", "tokens", "world", "msg_bytes"] + [
     f"{v}_{k}" for v in VARIANTS for k in (
-        "dispatch_ms", "dispatch_ms_p10", "dispatch_ms_p90", "combine_ms", "combine_ms_p10", "combine_ms_p90",
-        "total_ms", "wire_bytes", "combine_wire_bytes", "algbw_GBps", "busbw_GBps", "host_us", "launches",
-        "copies", "syncs", "d2h")] + [
-    "speedup_dispatch", "speedup_total", "speedup_fp8_vs_bf16_wire_dispatch", "wire_ratio_dispatch"]
+        "dispatch_ms", "dispatch_ms_p10", "dispatch_ms_p90", "dispatch_ms_min", "dispatch_ms_max",
+        "combine_ms", "combine_ms_p10", "combine_ms_p90", "total_ms", "total_ms_min", "total_ms_max", "wire_bytes",
+        "combine_wire_bytes", "algbw_GBps", "busbw_GBps", "host_us", "launches", "copies", "syncs", "d2h")] + [
+    s + q for s in SPEEDUP_KEYS for q in ("", "_min", "_max")] + ["wire_ratio_dispatch"]
 
 
 def _clean(o):
@@ -161,109 +169,179 @@ def write_csv(path, records):
 
 
 def write_plot(path, records, meta, analysis=None) -> Optional[str]:
-    """PNG of speedup against message size, one line per series; returns why not, or None."""
+    """PNG of the three speedups against message size, one line per series (the ratio of the medians)
+    in a band from the smallest to the largest per-iteration ratio, one legend for all panels;
+    returns why not, or None."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
         from matplotlib.ticker import FuncFormatter
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib): no plot written"
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), sharey=True)
-    by = {}
-    for r in records:
-        by.setdefault(r["series"], []).append(r)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2), sharey=True)
     rec = (analysis or {}).get("recommendation", {}).get("recommended_bytes")
-    panels = ((axes[0], "speedup_dispatch", "dispatch: Megatron BF16 / fp8a2a FP8"),
-              (axes[1], "speedup_total", "dispatch + combine: Megatron BF16 / fp8a2a FP8"),
-              (axes[2], "speedup_fp8_vs_bf16_wire_dispatch", "dispatch: fp8a2a BF16 wire / FP8 wire"))
-    for ax, key, title in panels:
-        for name, rs in by.items():
-            pts = sorted((r["msg_bytes"], r[key]) for r in rs if r.get(key) is not None)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    titles = {"speedup_dispatch": "dispatch: megatron / fp8a2a-fp8",
+              "speedup_total": "dispatch + combine: megatron / fp8a2a-fp8",
+              "speedup_fp8_vs_bf16_wire_dispatch": "dispatch: fp8a2a-bf16 / fp8a2a-fp8"}
+    handles = {}
+    for ax, key in zip(axes, SPEEDUP_KEYS):
+        for i, (name, rs) in enumerate(_by_series(records).items()):
+            pts = sorted((r["msg_bytes"], r[key], r.get(f"{key}_min"), r.get(f"{key}_max"))
+                         for r in rs if r.get(key) is not None)
+            if not pts:
+                continue
+            color = f"C{i % 10}"
+            x = [p[0] for p in pts]
+            (line,) = ax.plot(x, [p[1] for p in pts], marker="o", color=color)
+            handles.setdefault(name, line)
+            if all(p[2] is not None and p[3] is not None for p in pts):
+                ax.fill_between(x, [p[2] for p in pts], [p[3] for p in pts], color=color, alpha=0.2, linewidth=0)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         if rec and key == "speedup_fp8_vs_bf16_wire_dispatch":
-            ax.axvline(rec, color="red", linestyle=":", linewidth=1, label=f"bf16_below_bytes {fmt_bytes(rec)}")
+            handles[f"recommended bf16_below_bytes ({fmt_bytes(rec)})"] = ax.axvline(
+                rec, color="red", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_bytes(v).replace(".0 ", " ")))
-        ax.set_xlabel("message per rank (tokens x hidden x 2 B)")
-        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("BF16 input per rank (tokens x hidden x 2 B)")
+        ax.set_title(titles[key], fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("speedup (> 1: FP8 faster)")
-    axes[2].legend(fontsize=8)
-    label = "FUNCTIONAL ONLY (CPU/gloo)" if meta["functional_only"] else meta["device"]
-    fig.suptitle(f"fp8a2a all-to-all: {label}, world size {meta['world']}")
-    fig.tight_layout()
+    axes[0].set_ylabel("speedup (> 1: fp8a2a-fp8 faster)")
+    handles["min-max over iterations"] = Patch(color="gray", alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 4), fontsize=9,
+               frameon=False)
+    label = "FUNCTIONAL ONLY (CPU, gloo)" if meta["functional_only"] else meta["device"]
+    fig.suptitle(f"fp8a2a all-to-all: {label}, world size {meta['world']}; line: ratio of medians")
+    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(handles) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
 
 
-def _f(v, spec=".2f"):
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def format_table(records) -> str:
-    head = (f"{'series':<20}{'T':>6}{'msg':>10} | {'BF16 disp ms [p10,p90]':>24} | {'FP8 disp ms [p10,p90]':>24}"
-            f" | {'xdisp':>6}{'xtotal':>7}{'xwire':>6} | {'wire MB bf16/fp8':>17} | {'busbw':>6}"
-            f" | {'host us bf16/fp8':>16} | {'launch':>7} | {'sync':>5}")
-    lines = [head, "-" * len(head)]
-    m, f = "megatron_bf16", "fp8a2a_fp8"
-    for r in records:
-        def span(v):
-            if r.get(f"{v}_dispatch_ms") is None:
-                return "-"
-            return (f"{r[f'{v}_dispatch_ms']:.3f} [{r[f'{v}_dispatch_ms_p10']:.3f},"
-                    f"{r[f'{v}_dispatch_ms_p90']:.3f}]")
-        wire = f"{_f(_mb(r.get(f'{m}_wire_bytes')))}/{_f(_mb(r.get(f'{f}_wire_bytes')))}"
-        host = f"{_f(r.get(f'{m}_host_us'), '.0f')}/{_f(r.get(f'{f}_host_us'), '.0f')}"
-        launch = f"{_f(r.get(f'{m}_launches'), 'd')}/{_f(r.get(f'{f}_launches'), 'd')}"
-        syncs = f"{_f(r.get(f'{m}_syncs'), 'd')}/{_f(r.get(f'{f}_syncs'), 'd')}"
-        lines.append(f"{r['series']:<20}{r['tokens']:>6}{fmt_bytes(r['msg_bytes']):>10} | {span(m):>24} | "
-                     f"{span(f):>24} | {_f(r.get('speedup_dispatch')):>6}{_f(r.get('speedup_total')):>7}"
-                     f"{_f(r.get('speedup_fp8_vs_bf16_wire_dispatch')):>6} | {wire:>17} | "
-                     f"{_f(r.get(f'{f}_busbw_GBps'), '.1f'):>6} | {host:>16} | {launch:>7} | {syncs:>5}")
-    return "\n".join(lines)
-
-
-def _mb(b):
-    return None if b is None else b / 1e6
-
-
-def format_summary(records, analysis) -> str:
-    lines = ["summary (per series): speedup of fp8a2a FP8 over Megatron BF16 (dispatch+combine) at the largest "
-             "size, best speedup, FP8 crossovers", f"{'series':<20}{'largest':>9}{'best':>7}"
-             f"{'  crossover vs BF16 wire':>26}{'  crossover vs Megatron':>26}"]
+def _by_series(records):
     by = {}
     for r in records:
         by.setdefault(r["series"], []).append(r)
-    for name, rs in by.items():
+    return by
+
+
+def _num(v, spec=None):
+    """A figure with three significant digits (no exponent), or '-' where there is none."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if spec:
+        return format(v, spec)
+    a = abs(v)
+    return format(v, ".0f" if a >= 100 else ".1f" if a >= 10 else ".2f" if a >= 1 else ".3f")
+
+
+def _size(n):
+    """A compact byte size for the table: 64 KiB, 1.5 MiB, 14 MiB."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            break
+        n /= 1024
+    text = f"{n:.1f}" if n < 10 and unit != "B" else f"{n:.0f}"
+    return f"{text[:-2] if text.endswith('.0') else text} {unit}"
+
+
+def _pair(r, key, spec):
+    """megatron's figure/fp8a2a-fp8's (host_ms: from the records' host_us)."""
+    a, b = (r.get(f"{v}_host_us") / 1e3 if key == "host_ms" and r.get(f"{v}_host_us") is not None else
+            r.get(f"{v}_{key}") for v in ("megatron_bf16", "fp8a2a_fp8"))
+    return "-" if a is None and b is None else f"{_num(a, spec)}/{_num(b, spec)}"
+
+
+def table_columns(gpu: bool):
+    """(group, header, width, cell(record)) per column; the GPU-only counts only with gpu."""
+    m, f = "megatron_bf16", "fp8a2a_fp8"
+    cols = [("", "tokens", 6, lambda r: str(r["tokens"])),
+            ("", "msg/rank", 9, lambda r: _size(r["msg_bytes"])),
+            ("dispatch ms", NAMES[m], 9, lambda r: _num(r.get(f"{m}_dispatch_ms"))),
+            ("dispatch ms", NAMES[f], 11, lambda r: _num(r.get(f"{f}_dispatch_ms"))),
+            ("speedup x", "disp", 6, lambda r: _num(r.get("speedup_dispatch"), ".2f")),
+            ("speedup x", "d+c", 6, lambda r: _num(r.get("speedup_total"), ".2f")),
+            ("speedup x", "vs-bf16", 8, lambda r: _num(r.get("speedup_fp8_vs_bf16_wire_dispatch"), ".2f")),
+            ("wire", "fp8/meg", 8, lambda r: _num(r.get("wire_ratio_dispatch"), ".3f"))]
+    if gpu:
+        cols += [("GPU", "host ms", 10, lambda r: _pair(r, "host_ms", None)),
+                 ("GPU", "busbw", 6, lambda r: _num(r.get(f"{f}_busbw_GBps"))),
+                 ("GPU", "kernels", 7, lambda r: _pair(r, "launches", "d")),
+                 ("GPU", "syncs", 5, lambda r: _pair(r, "syncs", "d"))]
+    return cols
+
+
+def format_table(records, gpu: bool = False) -> str:
+    """The sweep's table: one row per point, two header lines (the column groups, then the columns)."""
+    cols = table_columns(gpu)
+    w0 = max([len("series")] + [len(r["series"]) for r in records])
+    groups, heads = [" " * w0], [f"{'series':<{w0}}"]
+    for i, (group, head, width, _) in enumerate(cols):
+        heads.append(f" {head:>{width}}")
+        if i and cols[i - 1][0] == group:
+            continue
+        span = sum(c[2] + 1 for c in cols[i:] if c[0] == group) - 1  # the group's columns are adjacent
+        groups.append(" " + (f"{' ' + group + ' ':-^{span}}" if group else " " * span))
+    lines = ["".join(groups).rstrip(), "".join(heads), "-" * len("".join(heads))]
+    for r in records:
+        lines.append(f"{r['series']:<{w0}}" + "".join(f" {cell(r):>{width}}" for _, _, width, cell in cols))
+    return "\n".join(lines)
+
+
+def table_legend(meta) -> str:
+    gpu = not meta["functional_only"]
+    lines = [f"times: per iteration the slowest rank's; the median of {meta['iters']} iterations "
+             "(p10/p90 and min/max: in the CSV and JSON)",
+             "msg/rank: the BF16 input per rank, tokens x hidden x 2 B",
+             "speedup: megatron / fp8a2a-fp8 time, of the dispatch (disp) and of dispatch + combine (d+c);",
+             "         vs-bf16: fp8a2a-bf16 / fp8a2a-fp8 dispatch time; > 1: fp8a2a-fp8 is faster",
+             "wire: the bytes fp8a2a-fp8's dispatch sends / megatron's"]
+    if gpu:
+        lines += ["GPU: host ms, kernels, syncs: megatron/fp8a2a-fp8 per dispatch + combine (host time without a "
+                  "sync; launches", "     and host syncs from the profiler); busbw: nccl-tests alltoall bus "
+                  "bandwidth of fp8a2a-fp8's dispatch, GB/s"]
+    else:
+        lines.append("(host time, bus bandwidth, kernel and host-sync counts: GPU figures, not shown on a CPU)")
+    return "\n".join(["variants:"] + [f"  {v}" for v in LEGEND] + lines)
+
+
+def format_summary(records, analysis) -> str:
+    head = (f"{'series':<20}{'d+c at largest':>15}{'best':>7}{'beats fp8a2a-bf16 from':>24}"
+            f"{'beats megatron from':>21}")
+    lines = ["summary per series: fp8a2a-fp8's dispatch + combine speedup over megatron at the largest size and at",
+             "best; the message size from which fp8a2a-fp8 wins at every larger size", head, "-" * len(head)]
+
+    def cx(c):
+        return {"crosses": fmt_bytes(c["crossover_bytes"]), "fp8_always_wins": f"<= {fmt_bytes(c['crossover_bytes'])}",
+                "bf16_always_wins": f"> {fmt_bytes(c['last_loss_bytes'])} (never)"}.get(c["status"], "-")
+    for name, rs in _by_series(records).items():
         big = max(rs, key=lambda r: r["msg_bytes"])
         sp = [r["speedup_total"] for r in rs if r.get("speedup_total") is not None]
-
-        def cx(c):
-            return {"crosses": fmt_bytes(c["crossover_bytes"]), "fp8_always_wins": f"<= {fmt_bytes(c['crossover_bytes'])}",
-                    "bf16_always_wins": f"> {fmt_bytes(c['last_loss_bytes'])}"}.get(c["status"], "-")
-        lines.append(f"{name:<20}{_f(big.get('speedup_total')):>9}{_f(max(sp) if sp else None):>7}"
-                     f"{cx(analysis['crossover_vs_bf16_wire'][name]):>26}{cx(analysis['crossover_vs_megatron'][name]):>26}")
-    lines.append(analysis["recommendation"]["text"])
+        lines.append(f"{name:<20}{_num(big.get('speedup_total'), '.2f'):>15}{_num(max(sp) if sp else None, '.2f'):>7}"
+                     f"{cx(analysis['crossover_vs_bf16_wire'][name]):>24}"
+                     f"{cx(analysis['crossover_vs_megatron'][name]):>21}")
+    lines += textwrap.wrap(analysis["recommendation"]["text"], 110)
     return "\n".join(lines)
 
 
 def report(records, meta, args, out=None):
+    """Print the table and summary and write JSON, CSV and PNG; None (and nothing written) when no
+    variant was measured at any point, else the analysis."""
     out = out or sys.stdout
+    errors = sorted({f"{NAMES[v]}: {r[f'{v}_error']}" for r in records for v in VARIANTS if r.get(f"{v}_error")})
+    for e in errors:
+        print(f"not measured: {e}", file=out)
+    if not any(r.get(f"{v}_dispatch_ms") is not None for r in records for v in VARIANTS):
+        print("nothing was measured: no file written", file=out)
+        return None
     analysis = analyse(records)
-    errors = sorted({f"{v}: {r[f'{v}_error']}" for r in records for v in VARIANTS if r.get(f"{v}_error")})
     label = ("FUNCTIONAL NUMBERS ONLY: CPU, gloo ranks in one machine; says nothing about a GPU cluster"
              if meta["functional_only"] else f"{meta['device']}, backend {meta['backend']}")
     print(f"\nfp8a2a all-to-all benchmark: world size {meta['world']}; {label}", file=out)
-    print("times: per iteration the slowest rank's, median [p10, p90] over "
-          f"{meta['iters']} iterations; xdisp/xtotal: Megatron BF16 / fp8a2a FP8; xwire: fp8a2a BF16 wire / FP8 "
-          "(dispatch); busbw: nccl-tests alltoall bus bandwidth of the FP8 dispatch, GB/s", file=out)
-    print(format_table(records), file=out)
-    for e in errors:
-        print(f"not measured: {e}", file=out)
+    print(format_table(records, gpu=not meta["functional_only"]), file=out)
+    print(table_legend(meta), file=out)
     if meta.get("skipped_series"):
         print(f"skipped (experts not a multiple of world size {meta['world']}): {', '.join(meta['skipped_series'])}",
               file=out)

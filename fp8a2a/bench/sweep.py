@@ -10,8 +10,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from ..dispatcher import Dispatcher
+from .. import Dispatcher, ops
 from ..wire import CountsCol, Granularity
 from .baseline import MegatronStyleAlltoAll, make_routing
 from .costs import profile_call
@@ -45,12 +44,19 @@ CPU_SERIES = (
     Series("cpu-h256-k2", 256, 8, 2, "row"),
 )
 CPU_TOKENS = (64, 256, 1024, 2048)
+NAMED_SERIES = {s.name: s for s in GPU_SERIES + CPU_SERIES}
+
+
+def default_iters(cuda: bool):
+    """(timed iterations, warm-up iterations) per point when the command line gives none."""
+    return (20, 3) if cuda else (5, 1)
 
 
 @dataclass(frozen=True)
 class SweepArgs:
     """What the sweep takes from the command line (None: the default for the device)."""
     tokens: Optional[Sequence[int]] = None
+    series: Optional[Sequence[str]] = None  # built-in series by name
     hidden: Optional[Sequence[int]] = None
     experts: Optional[Sequence[int]] = None
     topk: Optional[Sequence[int]] = None
@@ -68,6 +74,8 @@ class SweepArgs:
 
 
 def build_series(args: SweepArgs, cuda: bool) -> List[Series]:
+    if args.series:
+        return [NAMED_SERIES[name] for name in args.series]
     if not any(v is not None for v in (args.hidden, args.experts, args.topk, args.granularity)):
         return list(GPU_SERIES if cuda else CPU_SERIES)
     base = (GPU_SERIES if cuda else CPU_SERIES)[0]
@@ -240,13 +248,13 @@ def run_point(series: Series, tokens: int, dispatchers, device, group, rank, wor
         host = summarize([r[2] for r in rows])
         for key, s in (("dispatch_ms", d), ("combine_ms", c), ("total_ms", tot)):
             rec[f"{v.name}_{key}"] = s["median"]
-            rec[f"{v.name}_{key}_p10"] = s["p10"]
-            rec[f"{v.name}_{key}_p90"] = s["p90"]
+            for q in ("p10", "p90", "min", "max"):
+                rec[f"{v.name}_{key}_{q}"] = s[q]
         rec[f"{v.name}_host_us"] = host["median"]
         alg = algbw_gbps(rec[f"{v.name}_wire_bytes"], d["median"] / 1e3)
         rec[f"{v.name}_algbw_GBps"] = alg
         rec[f"{v.name}_busbw_GBps"] = busbw_gbps(alg, world)
-    _speedups(rec)
+    _speedups(rec, times)
     return rec
 
 
@@ -256,12 +264,25 @@ def _ratio(a, b):
     return a / b
 
 
-def _speedups(rec):
-    m, r, f = "megatron_bf16", "fp8a2a_bf16", "fp8a2a_fp8"
-    rec["speedup_dispatch"] = _ratio(rec.get(f"{m}_dispatch_ms"), rec.get(f"{f}_dispatch_ms"))
-    rec["speedup_total"] = _ratio(rec.get(f"{m}_total_ms"), rec.get(f"{f}_total_ms"))
-    rec["speedup_fp8_vs_bf16_wire_dispatch"] = _ratio(rec.get(f"{r}_dispatch_ms"), rec.get(f"{f}_dispatch_ms"))
-    rec["wire_ratio_dispatch"] = _ratio(rec.get(f"{f}_wire_bytes"), rec.get(f"{m}_wire_bytes"))
+# speedup key: (numerator variant, denominator variant, summed columns of a timing row)
+SPEEDUPS = {"speedup_dispatch": ("megatron_bf16", "fp8a2a_fp8", (0,)),
+            "speedup_total": ("megatron_bf16", "fp8a2a_fp8", (0, 1)),
+            "speedup_fp8_vs_bf16_wire_dispatch": ("fp8a2a_bf16", "fp8a2a_fp8", (0,))}
+
+
+def _speedups(rec, times=None):
+    """Each speedup as the ratio of the two medians; with the timing rows, also the min and max
+    of the per-iteration ratios (both variants of an iteration ran back to back)."""
+    for key, (num, den, cols) in SPEEDUPS.items():
+        what = "total_ms" if cols == (0, 1) else "dispatch_ms"
+        rec[key] = _ratio(rec.get(f"{num}_{what}"), rec.get(f"{den}_{what}"))
+        if times and num in times and den in times:
+            per_iter = [_ratio(sum(a[c] for c in cols), sum(b[c] for c in cols))
+                        for a, b in zip(times[num], times[den])]
+            per_iter = [v for v in per_iter if v is not None]
+            rec[f"{key}_min"] = min(per_iter) if per_iter else None
+            rec[f"{key}_max"] = max(per_iter) if per_iter else None
+    rec["wire_ratio_dispatch"] = _ratio(rec.get("fp8a2a_fp8_wire_bytes"), rec.get("megatron_bf16_wire_bytes"))
 
 
 # ------------------------------------------------------------------------------------------
@@ -295,8 +316,8 @@ def run_sweep(rank, world, args: SweepArgs, group=None):
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     series = build_series(args, cuda)
     tokens = args.tokens or list(GPU_TOKENS if cuda else CPU_TOKENS)
-    iters = args.iters if args.iters is not None else (20 if cuda else 5)
-    warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+    iters = args.iters if args.iters is not None else default_iters(cuda)[0]
+    warmup = args.warmup if args.warmup is not None else default_iters(cuda)[1]
     skipped = [s.name for s in series if s.experts % world]
     series = [s for s in series if s.experts % world == 0]
     bar = Progress(len(series) * len(tokens), enabled=(rank == 0 and not args.quiet))
