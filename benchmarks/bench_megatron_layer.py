@@ -67,7 +67,9 @@ class Variant:
         self.first_step = first_step  # a step that also recasts TE's FP8 weights (a step's first micro-batch)
 
 
-def make_layer(shape, dispatcher, experts, recipe, opts, cuda):
+def make_layer(shape, dispatcher, experts, recipe, opts, cuda, ep=1):
+    """The MoELayer of one row; ep: expert_model_parallel_size (parallel_state must be initialized at
+    it: benchmarks/bench_loopback.py --layer builds it on a loopback EP group)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer import TransformerConfig
     T, E, K, H, Fh, _ = shape
@@ -77,7 +79,7 @@ def make_layer(shape, dispatcher, experts, recipe, opts, cuda):
               moe_router_load_balancing_type="aux_loss", add_bias_linear=False, gated_linear_unit=True,
               activation_func=F.silu, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
               moe_router_dtype="fp32", moe_grouped_gemm=te, moe_permute_fusion=cuda,
-              use_cpu_initialization=not cuda)
+              use_cpu_initialization=not cuda, expert_model_parallel_size=ep)
     if recipe:
         kw.update(fp8="e4m3", fp8_recipe=recipe, moe_router_padding_for_quantization=True)
     cfg = TransformerConfig(**kw)

@@ -293,35 +293,9 @@ def test_dispatch_combine_equals_single_rank(n, wire):
 
 # ---- Megatron's alltoall dispatcher -------------------------------------------------------------
 
-class _CpuStream:
-    """torch.cuda's stream API as no-ops: Megatron's MoEAlltoAllTokenDispatcher makes a D2H stream
-    and events even when its tensors are on the CPU (a CPU torch cannot create them)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-    def record_event(self, *args):
-        return self
-
-    def synchronize(self):
-        pass
-
-    def __eq__(self, other):
-        return isinstance(other, _CpuStream)
-
-    __hash__ = object.__hash__
-
-
 def _megatron_on_cpu(gloo=False):
-    from fp8a2a.megatron.standalone import cpu_current_device
-    if not torch.cuda.is_available():
-        torch.cuda.Stream = _CpuStream
-        torch.cuda.current_stream = lambda *a: _CpuStream()
-        torch.cuda.stream = lambda s: contextlib.nullcontext()
-    cpu_current_device()
+    from fp8a2a.megatron.standalone import cpu_cuda_streams
+    cpu_cuda_streams()
     if gloo:  # on the CPU Megatron's splits stay tensors (it converts CUDA ones); gloo takes lists only
         a2a = dist.all_to_all_single
 
@@ -461,3 +435,69 @@ def test_bench_case_runs_and_meters_the_wire():
     assert set(res["ratios"]["pcie"]) >= {"step/fp8 / step/megatron_style", "dispatch_fwd/fp8 / dispatch_fwd/bf16"}
     assert v["step/fp8"]["precision"] == dict(dispatch="fp8 row", combine="bf16", combine_backward="fp8 row",
                                               dispatch_backward="bf16")
+
+
+# ---- Megatron's MoELayer on the loopback group (bench_loopback.py --layer, functional on the CPU) ----
+
+def _bench_loopback():
+    import os
+    import sys
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import bench_loopback
+    return bench_loopback
+
+
+def test_megatron_moe_layer_on_loopback_ep4():
+    """The local-spec MoELayer at EP=4 (4 of 16 experts local) on the loopback group, fwd+bwd with
+    fp8_alltoall + fp8_experts_spec and with alltoall (the baseline row); a row Megatron cannot
+    build here (flex: DeepEP) names the call."""
+    pytest.importorskip("megatron.core")
+
+    def body():
+        bl = _bench_loopback()
+        from fp8a2a.megatron.standalone import cpu_cuda_streams
+        cpu_cuda_streams()
+        rows = {**bl.CPU_LAYER_ROWS, "flex + SequentialMLP": ("flex", "local", None, {})}
+        with loopback_world(4, 1):
+            res = bl.run_layer("deepseek-v3", 4, ["none", "pcie"], repeat=2, iters=1, warmup=1, cuda=False,
+                               rows=rows, log=lambda s: None)
+            from megatron.core import parallel_state as ps
+            torn_down = not ps.model_parallel_is_initialized()
+        return res, bl.format_layer(res), torn_down
+    res, table, torn_down = in_child(body)
+    assert torn_down
+    base, fp8, flex = (res["rows"][k] for k in ("alltoall + SequentialMLP", "fp8_alltoall + fp8_experts_spec",
+                                                 "flex + SequentialMLP"))
+    for r in (base, fp8):
+        assert "error" not in r, r.get("error")
+        assert r["local_experts"] == 4 and r["local_expert_indices"][:2] == [4, 5]  # rank 1 of 4
+        assert all(len(r["fwd_bwd_ms"][lk]["runs"]) == 2 for lk in ("none", "pcie"))
+        assert r["link_bytes"] > 0 and r["quant_per_step_ms"] >= 0
+    assert fp8["link_bytes"] < base["link_bytes"]  # FP8 rows on the wire (dispatch 1 byte/elem + scales)
+    assert set(res["ratios"]["pcie"]) == {"fp8_alltoall + fp8_experts_spec / alltoall + SequentialMLP"}
+    assert len(res["speedups"]["none"]["alltoall + SequentialMLP / fp8_alltoall + fp8_experts_spec"]["runs"]) == 2
+    assert flex["error"].startswith("building MoELayer (flex") and "megatron/" in flex["error"], flex["error"]
+    assert "fp8_alltoall + fp8_experts_spec" in table and "unavailable: building MoELayer (flex" in table
+
+
+def test_bench_loopback_layer_cli_cpu(tmp_path):
+    pytest.importorskip("megatron.core")
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = tmp_path / "layer.json"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "bench_loopback.py"), "--layer", "--cpu", "--repeat", "2",
+           "--iters", "1", "--warmup", "1", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    layer = doc["layer"]
+    assert layer["case"]["ep"] == 4 and layer["links"] == ["none", "pcie"] and doc["cases"] == []
+    assert not [k for k, v in layer["rows"].items() if "error" in v]
+    assert "MoELayer fwd+bwd on the loopback group" in r.stdout

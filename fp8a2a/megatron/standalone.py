@@ -18,6 +18,8 @@ adapter itself (fp8a2a.megatron) needs none of it.
   and load-balancing losses are Megatron's own.
 * cpu_current_device(): makes torch.cuda.current_device() return the CPU device on a machine
   without CUDA (Megatron allocates some buffers there). Process-wide.
+* cpu_cuda_streams(): torch.cuda's stream API as no-ops on a machine without CUDA (Megatron's
+  MoEAlltoAllTokenDispatcher makes a D2H stream and events even for CPU tensors). Process-wide.
 * single_process_group(): torch.distributed at world size 1 (NCCL on a GPU, else gloo).
 * world_of_one(seed): that and Megatron's model-parallel state; returns the teardown.
 * build_layer(spec, config): the module of a spec, on megatron-core 0.16 (ModuleSpec) and 0.19
@@ -85,6 +87,38 @@ def cpu_current_device():
     """Without CUDA, let torch.cuda.current_device() name the CPU (process-wide)."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+class CpuStream:
+    """torch.cuda's stream API as no-ops: Megatron's MoEAlltoAllTokenDispatcher makes a D2H stream
+    and events even when its tensors are on the CPU (a CPU torch cannot create them)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, *args):
+        return self
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, CpuStream)
+
+    __hash__ = object.__hash__
+
+
+def cpu_cuda_streams():
+    """Without CUDA, torch.cuda.Stream / current_stream / stream become CpuStream no-ops (process-wide),
+    and torch.cuda.current_device() names the CPU."""
+    if not torch.cuda.is_available():
+        torch.cuda.Stream = CpuStream
+        torch.cuda.current_stream = lambda *a: CpuStream()
+        torch.cuda.stream = lambda s: contextlib.nullcontext()
+    cpu_current_device()
 
 
 def world_of_one(seed: int = 123):
