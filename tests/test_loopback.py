@@ -6,6 +6,7 @@ by r - j, so what j sends r is what r sends j. Real gloo ranks whose inputs have
 exactly what the loopback group returns to rank r alone. Each loopback rank runs in a forked child
 (the loopback world is torch.distributed's default group)."""
 import contextlib
+import json
 import functools
 import io
 import multiprocessing as mp
@@ -501,3 +502,30 @@ def test_bench_loopback_layer_cli_cpu(tmp_path):
     assert layer["case"]["ep"] == 4 and layer["links"] == ["none", "pcie"] and doc["cases"] == []
     assert not [k for k, v in layer["rows"].items() if "error" in v]
     assert "MoELayer fwd+bwd on the loopback group" in r.stdout
+
+
+def test_bench_cli_emulate_ep_runs_on_the_cpu(tmp_path):
+    """`python -m fp8a2a.bench --emulate-ep N --link L`: rank 0 of a loopback EP=N world, every
+    chosen model's rows over `none` and the link, written to --json; the world is torn down after."""
+    from fp8a2a.bench import cli
+    out = tmp_path / "emu.json"
+    assert cli.main(["--emulate-ep", "8", "--link", "device", "--emulate-models", "mixtral-8x7b", "--iters", "1",
+                     "--warmup", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["links"] == ["none", "device"] and len(doc["cases"]) == 1
+    assert loopback.world() is None and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--emulate-ep", "3"], "no model has a multiple of 3 experts"),
+    (["--emulate-ep", "1"], "--emulate-ep"),
+    (["--emulate-ep", "8", "--link", "ib"], "is not one of none, device, pcie"),
+    (["--emulate-ep", "8", "--link", "pcie,device"], "--link takes one link"),
+    (["--emulate-ep", "8", "--world", "2"], "--world not used by --emulate-ep"),
+    (["--link", "device"], "--link only applies with"),
+])
+def test_bench_cli_emulate_ep_refuses_bad_usage(argv, says, capsys):
+    from fp8a2a.bench import cli
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv)
+    assert info.value.code == 2 and says in capsys.readouterr().err

@@ -24,6 +24,9 @@ GRANULARITIES = tuple(g.label for g in QUANTIZED)
 # The flags of one mode only: given in the other, they would be silently ignored.
 SWEEP_ONLY = ("tokens", "series", "hidden", "experts", "topk", "granularity", "iters", "warmup", "world", "seed",
               "out", "no_plot", "no_profile", "profile_all", "quiet")
+EMULATE_ONLY = ("emulate_ep", "link", "emulate_models")
+# what --emulate-ep takes from the sweep's flags (--tokens: its first value)
+EMULATE_SHARED = ("tokens", "iters", "warmup")
 MODEL_ONLY = ("ep", "gpus_per_node", "nvlink_gbps", "net_gbps", "model_tokens", "model_hidden", "model_ffn",
               "model_experts", "model_topk", "kernels_json", "dispatch_json", "alltoall_json", "no_measure")
 
@@ -140,7 +143,24 @@ def make_parser():
     p.add_argument("--model", action="store_true",
                    help="project dispatch time for EP 8..1024 instead of sweeping (flags below)")
     _model_arguments(p)
+    _emulate_arguments(p)
     return p
+
+
+def _emulate_arguments(p):
+    from .loopback import MODELS
+    from ..links import LINKS
+    g = p.add_argument_group("one GPU as a rank of EP=N (--emulate-ep N): a loopback group whose remote bytes "
+                             "cross a real link; --tokens (first value), --iters, --warmup, --json apply")
+    g.add_argument("--emulate-ep", type=_int(2), metavar="N",
+                   help="play rank 0 of an EP=N group on this device (N >= 2): dispatch and the training step of "
+                        "every model whose experts divide over N, FP8 against fp8a2a's BF16 wire and a Megatron-style "
+                        "BF16 dispatcher")
+    g.add_argument("--link", type=_choices(LINKS), default=["pcie"], metavar="LINK",
+                   help=f"what the remote bytes cross, one of {_listed(LINKS)} (default pcie: staged through pinned "
+                        "host memory, the InfiniBand-class link; device: a device copy, the NVLink-class bound)")
+    g.add_argument("--emulate-models", type=_choices(tuple(MODELS)), metavar="NAME,...",
+                   help=f"models to emulate, of {_listed(MODELS)} (default: every one whose experts divide over N)")
 
 
 def _model_arguments(p):
@@ -236,12 +256,31 @@ def _check_model(p, args):
                 f"valid 1..{args.model_experts}")
 
 
+def _check_emulate(p, args, given):
+    stray = sorted(given & (set(SWEEP_ONLY + MODEL_ONLY + ("model",)) - set(EMULATE_SHARED)))
+    if stray:
+        p.error(f"{', '.join('--' + k.replace('_', '-') for k in stray)} not used by --emulate-ep (it takes --tokens, --iters, --warmup, --json, --force)")
+    if len(args.link) != 1:
+        p.error(f"--link takes one link, got {','.join(args.link)}")
+    from .loopback import MODELS
+    models = args.emulate_models or list(MODELS)
+    experts = {m: MODELS[m]["experts"] for m in models}
+    if not any(e % args.emulate_ep == 0 for e in experts.values()):
+        shown = ", ".join(f"{m}: {e}" for m, e in experts.items())
+        p.error(f"--emulate-ep {args.emulate_ep}: no model has a multiple of {args.emulate_ep} experts ({shown})")
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
+        _check_outputs(p, [args.json], args.force)
+    return args
+
+
 def parse_args(argv=None):
     """The parsed command line, checked as a whole; exits with status 2 and one line if it is wrong."""
     argv = sys.argv[1:] if argv is None else list(argv)
     p = make_parser()
     args, given = _parse(p, argv)
-    stray = sorted(given & set(MODEL_ONLY if not args.model else SWEEP_ONLY))
+    if args.emulate_ep is not None:
+        return _check_emulate(p, args, given)
+    stray = sorted(given & set((MODEL_ONLY if not args.model else SWEEP_ONLY) + EMULATE_ONLY))
     if stray:
         flags = ", ".join("--" + k.replace("_", "-") for k in stray)
         p.error(f"{flags} only appl{'ies' if len(stray) == 1 else 'y'} "
@@ -259,6 +298,16 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.emulate_ep is not None:
+        from .loopback import emulate
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        cuda = torch.cuda.is_available()
+        tokens = args.tokens[0] if args.tokens else (4096 if cuda else 64)
+        emulate(args.emulate_ep, args.link[0], models=args.emulate_models, tokens=tokens,
+                iters=args.iters or (8 if cuda else 2), warmup=args.warmup if args.warmup is not None else 2,
+                json_path=args.json)
+        return 0
     if args.model:
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
