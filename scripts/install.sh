@@ -20,7 +20,7 @@ echo "fp8a2a: building the extension (the first build takes a few minutes on 2 c
 start=$SECONDS
 ( while sleep 30; do echo "  still building ($((SECONDS - start)) s)"; done ) &
 ticker=$!
-trap 'kill $ticker 2>/dev/null' EXIT
+trap 'kill $ticker 2>/dev/null || true' EXIT
 set +e
 python -m pip install -v --disable-pip-version-check --no-build-isolation -e . 2>&1 | tee build/install.log |
   awk '/^ *\[[0-9]+\/[0-9]+\] / { n = split($0, w, " "); src = ""
