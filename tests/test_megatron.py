@@ -715,3 +715,125 @@ def test_train_script_smoke():
             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "FP8AlltoAllTokenDispatcher" in r.stdout and "done: loss" in r.stdout, r.stdout
+
+
+# ---- --fp8a2a-experts: the experts of every fp8_alltoall layer -------------------------------------
+
+def _layer_experts_in_child(rank, world, dispatcher, how):
+    """A GPT layer built from Megatron's own local spec function with the experts chosen `how`:
+    (experts class, the dispatcher's deliver_fp8, the layer's parameter names)."""
+    import types
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    init_parallel(world)
+    gv = "megatron.training.global_vars"
+    saved = sys.modules.get(gv)
+    try:
+        over = {}
+        if how == "config":
+            over["fp8a2a_experts"] = "fp8"
+        elif how == "flag":  # megatron.training's global args, as its parse_args leaves them
+            p = fm.add_arguments(argparse.ArgumentParser())
+            sys.modules[gv] = types.SimpleNamespace(_GLOBAL_ARGS=p.parse_args(["--fp8a2a-experts", "fp8"]))
+        elif how == "register":
+            fm.register(experts="fp8")
+        elif how == "flag_megatron":  # the flag says megatron: it wins over register()'s default
+            fm.register(experts="fp8")
+            p = fm.add_arguments(argparse.ArgumentParser())
+            sys.modules[gv] = types.SimpleNamespace(_GLOBAL_ARGS=p.parse_args(["--fp8a2a-experts", "megatron"]))
+        spec = with_portable_router(get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False))
+        layer = build(spec, make_config(dispatcher, **over))
+        moe = layer.mlp
+        dispatcher_ = moe.token_dispatcher
+        return (type(moe.experts).__name__, getattr(dispatcher_, "deliver_fp8", None),
+                sorted(n for n, _ in layer.named_parameters()))
+    finally:
+        fm.options.reset_defaults()
+        if saved is None:
+            sys.modules.pop(gv, None)
+        else:
+            sys.modules[gv] = saved
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+def test_experts_option_swaps_the_experts_of_megatrons_layer_spec():
+    """--fp8a2a-experts fp8 (the flag, a config attribute or register's default): the MoE layer a GPT
+    layer spec of Megatron's makes gets fp8a2a's FP8 experts, with the same parameter names; without
+    it, or under another dispatcher type, Megatron's."""
+    base = run_ranks(1, _layer_experts_in_child, fm.FP8_ALLTOALL, None)[0]
+    assert base[:2] == ("SequentialMLP", False)
+    for how in ("config", "flag", "register"):
+        got = run_ranks(1, _layer_experts_in_child, fm.FP8_ALLTOALL, how)[0]
+        assert got[:2] == ("FP8SequentialMLP", True), how
+        assert got[2] == base[2], how  # Megatron's parameters (and so its checkpoint keys)
+    assert run_ranks(1, _layer_experts_in_child, fm.FP8_ALLTOALL, "flag_megatron")[0][:2] == ("SequentialMLP", False)
+    assert run_ranks(1, _layer_experts_in_child, "allgather", "config")[0][0] == "SequentialMLP"
+
+
+def test_experts_option_values():
+    assert fm.resolve(None).experts.impl == "megatron"
+    p = fm.add_arguments(argparse.ArgumentParser())
+    assert fm.resolve(p.parse_args(["--fp8a2a-experts", "fp8"])).experts.impl == "fp8"
+    assert fm.resolve(p.parse_args([])).experts.impl == "megatron"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fp8a2a-experts", "te"])
+    with pytest.raises(ValueError, match="experts must be one of"):
+        fm.resolve(argparse.Namespace(fp8a2a_experts="te"))
+    with pytest.raises(ValueError, match="experts must be one of"):
+        fm.register(experts="te")
+    assert fm.resolve(None).experts.impl == "megatron"  # a refused default is not kept
+
+
+# ---- the launcher: python -m fp8a2a.megatron.run SCRIPT.py ARGS ----------------------------------
+
+LAUNCHED_SCRIPT = """
+import json
+import sys
+
+import beside_the_script  # the script's directory is on sys.path, as under `python SCRIPT.py`
+import fp8a2a.megatron as fm
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import arguments  # a Megatron-LM checkout's, beside the script
+
+assert fm.is_registered()
+assert hasattr(TransformerConfig.__post_init__, "__fp8a2a_original__")
+a = arguments.parse_args()  # sys.argv[1:]
+print(json.dumps({"name": __name__, "argv": sys.argv, "type": a.moe_token_dispatcher_type,
+                  "experts": a.fp8a2a_experts}))
+"""
+
+
+def test_launcher_registers_then_runs_the_script(tmp_path):
+    """The launcher as a user runs it, from another folder, on a script beside a Megatron-LM style
+    megatron/training/arguments.py that fp8a2a's register() must patch when the script imports it."""
+    try:
+        import megatron.training  # noqa: F401
+        pytest.skip("a real megatron.training is installed: the fake one beside the script would not be used")
+    except ImportError:
+        pass
+    import json
+    from .programs import run
+    lm = tmp_path / "Megatron-LM"
+    (lm / "megatron" / "training").mkdir(parents=True)
+    (lm / "megatron" / "training" / "__init__.py").write_text("")
+    (lm / "megatron" / "training" / "arguments.py").write_text(FAKE_TRAINING_ARGUMENTS)
+    (lm / "beside_the_script.py").write_text("")
+    script = lm / "pretrain_gpt.py"
+    script.write_text(LAUNCHED_SCRIPT)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = ["--moe-token-dispatcher-type", "fp8_alltoall", "--fp8a2a-experts", "fp8"]
+    r = run("-m", "fp8a2a.megatron.run", script, *args, cwd=elsewhere, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"name": "__main__", "argv": [str(script), *args], "type": "fp8_alltoall", "experts": "fp8"}
+
+
+def test_launcher_refuses_a_missing_script(tmp_path, capsys):
+    from fp8a2a.megatron.run import main
+    assert main([]) == 2
+    assert "no script given" in capsys.readouterr().err
+    assert main([str(tmp_path / "nope.py"), "--x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such script" in err
+    assert not fm.options._registered  # nothing registered or run

@@ -19,7 +19,9 @@ edited), the first two keyed on the dispatcher type so other types are untouched
   * MoELayer.__init__: runs the original with the type set to "alltoall" and, for that call only,
     the module-level name MoEAlltoAllTokenDispatcher in megatron.core.transformer.moe.moe_layer bound
     to FP8AlltoAllTokenDispatcher (so the alltoall branch builds ours, with the same arguments);
-    then restores both. Megatron-core 0.16 and 0.19 both build dispatchers this way; a version that
+    then restores both (with `--fp8a2a-experts fp8`, the call also gets the layer's submodules with
+    fp8a2a's FP8 experts class in place of the spec's: every MoE layer of that type, whichever spec
+    or builder made it). Megatron-core 0.16 and 0.19 both build dispatchers this way; a version that
     does not gets its dispatcher replaced after the original __init__ (with a warning). Then the
     dispatcher learns the experts (set_experts) and, in the capacity mode, takes the capacity
     from the router (set_router: the Dispatcher drops and pads, the router no longer does);
@@ -45,14 +47,20 @@ takes the other branch, which is right for it, so nothing is patched:
 
 Experts: Megatron's own experts (SequentialMLP, TEGroupedMLP, ...) receive dequantized rows in the
 activation dtype; the wire still carries FP8. `fp8_experts_spec(spec)` swaps in FP8 experts that
-keep Megatron's parameters and checkpoint layout and take the FP8 rows straight into FP8GroupedMLP.
+keep Megatron's parameters and checkpoint layout and take the FP8 rows straight into FP8GroupedMLP;
+the option `experts` (`--fp8a2a-experts fp8`, config.fp8a2a_experts, register(experts="fp8")) does
+the same for every fp8_alltoall layer, at build time.
+
+Launcher: `python -m fp8a2a.megatron.run SCRIPT.py ARGS...` (or under torchrun) calls register()
+and runs the script as `__main__` (fp8a2a/megatron/run.py).
 """
 import functools
 import importlib.abc
 import sys
 import warnings
 
-from .options import CAPACITY_MODES, FP8_ALLTOALL, GRANULARITIES, Options, resolve, set_defaults  # noqa: F401
+from .options import (CAPACITY_MODES, EXPERT_IMPLS, FP8_ALLTOALL, GRANULARITIES, Options, resolve,  # noqa: F401
+                      set_defaults)
 
 __all__ = ["register", "unregister", "is_registered", "add_arguments", "extra_args_provider", "fp8_experts_spec",
            "FP8_ALLTOALL", "Options", "resolve", "FP8AlltoAllTokenDispatcher"]
@@ -100,10 +108,14 @@ def add_arguments(parser):
     g.add_argument("--fp8a2a-bf16-below-bytes", type=int, default=None,
                    help=f"dispatch inputs smaller than this many bytes per rank unquantized "
                         f"(default {d.bf16_below_bytes}; 0 = always FP8)")
+    g.add_argument("--fp8a2a-experts", choices=list(EXPERT_IMPLS), default=None,
+                   help="experts of every fp8_alltoall MoE layer: megatron (default): the layer spec's own, on "
+                        "dequantized rows; fp8: fp8a2a's FP8 experts (as fp8_experts_spec) on the FP8 rows, "
+                        "with Megatron's parameters and checkpoint layout")
     g.add_argument("--fp8a2a-fp8-dgrad", action="store_true", default=None,
-                   help="FP8 experts (fp8_experts_spec): FP8 input-gradient GEMMs (default BF16)")
+                   help="FP8 experts (--fp8a2a-experts fp8): FP8 input-gradient GEMMs (default BF16)")
     g.add_argument("--fp8a2a-fp8-wgrad", action="store_true", default=None,
-                   help="FP8 experts (fp8_experts_spec): FP8 weight-gradient GEMMs; lossy, default BF16")
+                   help="FP8 experts (--fp8a2a-experts fp8): FP8 weight-gradient GEMMs; lossy, default BF16")
     return parser
 
 
@@ -148,6 +160,8 @@ def _patch_moe_layer():
             return original(self, config, *args, **kwargs)
         from .dispatcher import FP8AlltoAllTokenDispatcher
 
+        args, kwargs = _with_chosen_experts(config, args, kwargs)
+
         stock = ml.MoEAlltoAllTokenDispatcher
         ml.MoEAlltoAllTokenDispatcher = FP8AlltoAllTokenDispatcher
         config.moe_token_dispatcher_type = "alltoall"
@@ -175,6 +189,28 @@ def _patch_moe_layer():
         self.token_dispatcher.set_router(self.router)
 
     _patch(ml.MoELayer, "__init__", __init__)
+
+
+def _with_chosen_experts(config, args, kwargs):
+    """MoELayer.__init__'s (args, kwargs) with the experts the options choose (--fp8a2a-experts):
+    unchanged for Megatron's, else the submodules (positional after config, or keyword) with the
+    FP8 counterpart of the spec's experts class (experts.fp8_experts_spec's swap)."""
+    if resolve(config).experts.impl != "fp8":
+        return args, kwargs
+    from .experts import fp8_experts_spec
+
+    positional = "submodules" not in kwargs and len(args) > 0
+    submodules = args[0] if positional else kwargs.get("submodules")
+    try:
+        submodules = fp8_experts_spec(submodules)
+    except ValueError as e:
+        experts = getattr(submodules, "experts", None)
+        experts = getattr(experts, "module", getattr(experts, "func", experts))
+        raise ValueError(f"fp8a2a: --fp8a2a-experts fp8: no FP8 experts for this layer's experts "
+                         f"{getattr(experts, '__name__', experts)!r} ({e})") from None
+    if positional:
+        return (submodules, *args[1:]), kwargs
+    return args, {**kwargs, "submodules": submodules}
 
 
 _TRAINING_ARGS = "megatron.training.arguments"
@@ -264,7 +300,8 @@ def register(**defaults):
     """Make Megatron-core build the fp8_alltoall dispatcher (see the module docstring).
 
     defaults: process-wide option defaults (granularity, capacity_mode, fp8_combine,
-    fp8_dispatch_backward, bf16_below_bytes, and the FP8 experts' fp8_dgrad, fp8_wgrad); config
+    fp8_dispatch_backward, bf16_below_bytes, experts ("megatron" or "fp8"), and the FP8 experts'
+    fp8_dgrad, fp8_wgrad); config
     attributes fp8a2a_<name> and the --fp8a2a-* flags take precedence; a granularity given nowhere
     follows the TE recipe (options.RECIPE_GRANULARITY). Returns the defaults as options.Options."""
     import megatron.core  # noqa: F401  (a clear ImportError when megatron-core is missing)

@@ -10,8 +10,10 @@ Each option (the names in NAMES) is looked up, first match wins:
      given nowhere follows the TE recipe (RECIPE_GRANULARITY).
 resolve(config, fp8_experts) applies this once per layer and returns Options: the Dispatcher's
 DispatcherConfig (the wire options, and the capacity factor that Megatron's capacity settings and
-capacity_mode give it), the FP8 experts' ExpertOptions and the capacity mode. expert_tp_size is
-not an option: it is the size of the layer's expert-TP group (the token dispatcher sets it).
+capacity_mode give it), the experts' ExpertOptions and the capacity mode. ExpertOptions.impl
+(option `experts`: config.fp8a2a_experts, --fp8a2a-experts) picks the experts of every fp8_alltoall
+layer (Megatron's or fp8a2a's FP8 experts; see megatron/__init__.py). expert_tp_size is not an
+option: it is the size of the layer's expert-TP group (the token dispatcher sets it).
 """
 import sys
 from dataclasses import dataclass, field, fields
@@ -41,11 +43,22 @@ CAPACITY_MODES = ("auto", "static", "variable")
 RECIPE_GRANULARITY = {"blockwise": "block128"}
 
 
+# Which experts an fp8_alltoall layer runs (--fp8a2a-experts): Megatron's own, from the layer spec,
+# on dequantized rows; or fp8a2a's FP8 experts (experts.py) in their place, on the FP8 rows.
+EXPERT_IMPLS = ("megatron", "fp8")
+
+
 @dataclass(frozen=True)
 class ExpertOptions:
-    """The FP8 experts' options (fp8a2a.FP8GroupedMLP's; default BF16 gradients)."""
+    """The experts' options: which experts (impl, option name `experts`) and the FP8 experts' own
+    (fp8a2a.FP8GroupedMLP's; default BF16 gradients)."""
     fp8_dgrad: bool = False
     fp8_wgrad: bool = False
+    impl: str = "megatron"
+
+    def __post_init__(self):
+        if self.impl not in EXPERT_IMPLS:
+            raise ValueError(f"fp8a2a: experts must be one of {EXPERT_IMPLS}, got {self.impl!r}")
 
 
 @dataclass(frozen=True)
@@ -62,7 +75,9 @@ class Options:
 
 # What a run sets (config.fp8a2a_<name>, --fp8a2a-<name>, register(<name>=...)), by where it goes.
 WIRE_NAMES = ("granularity", "fp8_combine", "fp8_dispatch_backward", "bf16_below_bytes")
-EXPERT_NAMES = tuple(f.name for f in fields(ExpertOptions))
+EXPERT_FIELDS = {"experts": "impl", "fp8_dgrad": "fp8_dgrad", "fp8_wgrad": "fp8_wgrad"}  # option: field
+assert set(EXPERT_FIELDS.values()) == {f.name for f in fields(ExpertOptions)}
+EXPERT_NAMES = tuple(EXPERT_FIELDS)
 NAMES = WIRE_NAMES + ("capacity_mode",) + EXPERT_NAMES
 _registered = {}  # the defaults register() set
 
@@ -73,7 +88,7 @@ def _options(values: dict, capacity_factor: Optional[float] = None) -> Options:
     if "bf16_below_bytes" in wire:
         wire["bf16_below_bytes"] = int(wire["bf16_below_bytes"])
     return Options(DispatcherConfig(**wire, capacity_factor=capacity_factor),
-                   ExpertOptions(**{n: values[n] for n in EXPERT_NAMES if n in values}),
+                   ExpertOptions(**{f: values[n] for n, f in EXPERT_FIELDS.items() if n in values}),
                    values.get("capacity_mode", "auto"))
 
 

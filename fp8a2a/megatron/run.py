@@ -1,0 +1,39 @@
+"""Run a Megatron training script with fp8a2a registered:
+
+    python -m fp8a2a.megatron.run SCRIPT.py ARGS...
+    torchrun --nproc-per-node 8 -m fp8a2a.megatron.run pretrain_gpt.py --moe-token-dispatcher-type fp8_alltoall ...
+
+Puts the script's directory first on sys.path (as `python SCRIPT.py` does, so a Megatron-LM
+checkout's own `megatron` package is found from anywhere), calls fp8a2a.megatron.register() (the
+dispatcher type and the --fp8a2a-* flags, before the script's parse_args) and runs the script as
+`__main__` with sys.argv = [SCRIPT.py, ARGS...]. Exit status 2 with one line on stderr when no
+script is given or it is not a file."""
+import os
+import runpy
+import sys
+
+USAGE = "usage: python -m fp8a2a.megatron.run SCRIPT.py [ARGS...]"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print(f"{USAGE}: no script given", file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__)
+        return 0
+    script = argv[0]
+    if not os.path.isfile(script):
+        print(f"fp8a2a.megatron.run: no such script: {script}", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
+    from . import register
+    register()
+    sys.argv = [script, *argv[1:]]
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
