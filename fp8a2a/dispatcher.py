@@ -196,7 +196,7 @@ class Dispatcher:
         self.capacity_factor = config.capacity_factor
         self.local = self.world == 1 and not (config.always_communicate and dist.is_initialized())
         self.spec = ExchangeSpec(group, self.world, self.local, num_experts * self.tp, self.num_local_experts,
-                                 self.code, self.fp8_combine, self.fp8_dispatch_backward, tensor_scale,
+                                 self.tp, self.code, self.fp8_combine, self.fp8_dispatch_backward, tensor_scale,
                                  self.bf16_below_bytes)
         # NCCL moves CUDA tensors only (gloo takes CPU and CUDA ones): checked per call, before any
         # collective, as an attribute read

@@ -40,6 +40,7 @@ class ExchangeSpec:
     local: bool  # a group of one that skips the collectives
     num_experts: int
     num_local_experts: int
+    tp: int  # expert TP size: num_experts is the caller's experts times tp
     code: Granularity  # the quantized granularity of the FP8 wire
     fp8_combine: bool
     fp8_dispatch_backward: bool
@@ -49,7 +50,7 @@ class ExchangeSpec:
     # this rank's size policy: smaller inputs go unquantized (may differ by rank: the ranks agree
     # on one wire per call, in the counts exchange)
     bf16_below_bytes: int = 0
-    # capacity mode: the (shape, top-k, dtype, needs grad) keys whose headers were checked once
+    # capacity mode: the (shape, top-k, dtype) keys whose headers were checked once
     # (static splits read no header per call); a cache, not an option
     checked_static: set = field(default_factory=set, compare=False, repr=False)
 
@@ -192,7 +193,7 @@ def dispatch(spec: ExchangeSpec, x, route: Route, needs_grad=False, fail_peers=N
     recv_counts = exchange_counts(spec, counts)
     hidden = x.shape[1]
     if route.expert_capacity:
-        return _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts, needs_grad)
+        return _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts)
     # The one host sync of a dispatch: what we send and what we receive, in one copy (tolist
     # copies a device tensor to the host itself).
     host = (counts if spec.local else torch.cat([counts, recv_counts])).tolist()
@@ -211,11 +212,13 @@ def dispatch(spec: ExchangeSpec, x, route: Route, needs_grad=False, fail_peers=N
     return data, scale_rows, weights, tpe, layout
 
 
-def _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts, needs_grad):
+def _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts):
     """Capacity mode: fixed splits and a fixed expert-major layout, so nothing is read on the host
     after a shape's first call."""
-    key = (tuple(x.shape), route.topk_idx.shape[1], x.dtype, needs_grad)
-    if key not in spec.checked_static:  # once per new shape: the checks the sync would do
+    # once per new shape, the checks the sync would do (every rank meets a new shape at the same call:
+    # capacity mode needs equal shapes on every rank), the GRAD column's agreement included
+    key = (tuple(x.shape), route.topk_idx.shape[1], x.dtype)
+    if key not in spec.checked_static:
         # out-of-range ids are counted (handle.invalid_ids), on this call as on every later one
         agree_on_wire(spec, recv_counts.cpu().tolist(), x.shape[1], x.element_size(), raise_on_bad_ids=False)
         if spec.world > 1:  # static splits need the same tokens per rank everywhere
@@ -253,9 +256,9 @@ def agree_on_wire(spec: ExchangeSpec, headers, hidden, elem, raise_on_bad_ids=Tr
     if failed:
         raise RuntimeError(f"fp8a2a: ranks {failed} rejected their dispatch input (their error says why); "
                            f"this rank raises too instead of waiting for them")
-    bad = [row[_BAD_IDS] for row in headers]
+    bad = [row[_BAD_IDS] // spec.tp for row in headers]  # expert TP replicated each id tp times
     if raise_on_bad_ids and any(bad):
-        raise ValueError(f"fp8a2a: expert ids outside [-1, {spec.num_experts}) on ranks "
+        raise ValueError(f"fp8a2a: expert ids outside [-1, {spec.num_experts // spec.tp}) on ranks "
                          f"{[r for r, b in enumerate(bad) if b]} ({bad} ids)")
     _all_equal([row[_TOPK] for row in headers], "ranks use different top-k: {}")
     # combine's rows carry x's dtype: they would differ in size or meaning

@@ -359,7 +359,17 @@ def test_bad_expert_ids_raise_on_every_rank():
         if rank == 1:
             idxs[1][3, 0] = 8  # out of range on one rank only
         fp8a2a.Dispatcher(8, bf16_below_bytes=0).dispatch(xs[rank], idxs[rank], ws[rank])
-    assert all("expert ids outside" in m for m in _expect_error_everywhere(fn))
+    assert all("expert ids outside [-1, 8) on ranks [1] ([0, 1] ids)" in m for m in _expect_error_everywhere(fn))
+
+
+def test_bad_expert_ids_under_expert_tp_name_the_callers_range():
+    """Expert TP replicates each slot over its TP ranks (virtual experts): the error still states the
+    caller's range and counts the caller's ids."""
+    def fn(rank, world):
+        xs, idxs, ws = make_inputs(world, 8, 64, 4, 2, torch.bfloat16)
+        idxs[rank][2, 0] = 5
+        fp8a2a.Dispatcher(4, expert_tp_size=2, bf16_below_bytes=0).dispatch(xs[rank], idxs[rank], ws[rank])
+    assert all("expert ids outside [-1, 4) on ranks [0, 1] ([1, 1] ids)" in m for m in _expect_error_everywhere(fn))
 
 
 @pytest.mark.parametrize("case", ["weights_shape", "x_float64", "idx_int16", "tensor_amax", "idx_int16_tensor",
