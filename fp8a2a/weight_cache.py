@@ -37,8 +37,9 @@ class _ExpertWeights(torch.autograd.Function):
     the gradient of each stand-in handed to its parameters as slices (views, no copy)."""
 
     @staticmethod
-    def forward(ctx, counts, *params):
-        ctx.counts, out, i = counts, [], 0
+    def forward(ctx, counts, fuse, *params):
+        ctx.counts, ctx.fuse, out, i = counts, fuse, [], 0
+        ctx.params = params if fuse else None  # fused: main_grad is written in the backward
         for n in counts:
             out.append(params[i].new_empty(()).expand(n, *params[i].shape))
             i += n
@@ -47,19 +48,55 @@ class _ExpertWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         parts = [(None,) * n if g is None else g.unbind(0) for g, n in zip(grads, ctx.counts)]
-        return (None,) + tuple(t for part in parts for t in part)
+        flat = [t for part in parts for t in part]
+        if ctx.fuse:
+            flat = [g if g is None else _into_main_grad(p, g) for p, g in zip(ctx.params, flat)]
+        return (None, None) + tuple(flat)
 
 
-def expert_weights(*groups):
+def _dummy_wgrad(shape, dtype, device, zero):
+    """One shared placeholder gradient per (shape, dtype, device, zero) (as TE's get_dummy_wgrad)."""
+    key = (tuple(shape), dtype, device, zero)
+    t = _DUMMY_WGRADS.get(key)
+    if t is None:
+        t = _DUMMY_WGRADS[key] = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    return t
+
+
+_DUMMY_WGRADS = {}
+
+
+def _into_main_grad(param, grad):
+    """Megatron's gradient_accumulation_fusion (LinearWithGradAccumulationAndAsyncCommunication):
+    grad is added into param.main_grad in place (the buffer Megatron's DDP sets, float32) and no
+    .grad is made. Under DDP (param.grad_added_to_main_grad exists) a placeholder gradient is
+    returned instead of None and grad_added_to_main_grad set, as Megatron does, so that DDP's
+    gradient hooks still run (its overlapped reduce counts on them) and skip adding it again; with
+    zero_out_wgrad the placeholder is zeros. A parameter without main_grad gets grad as usual."""
+    main = getattr(param, "main_grad", None)
+    if main is None:
+        return grad
+    main.add_(grad)  # in main_grad's dtype: grad is rounded as the unfused DDP path rounds .grad
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None
+    param.grad_added_to_main_grad = True
+    return _dummy_wgrad(main.shape, grad.dtype, grad.device, bool(getattr(param, "zero_out_wgrad", False)))
+
+
+def expert_weights(*groups, gradient_accumulation_fusion: bool = False):
     """For each group of E per-expert parameters [N, K] (Megatron's experts), an [E, N, K] weight for
     grouped_linear / FP8GroupedMLP without stacking them: differentiable (each parameter gets its
     slice of the gradient), but holding no values. The expert GEMMs read only the copies cached
     on the parameters under fp8_weight's rule: the FP8 weights, and the BF16 stack the BF16 dgrad
-    reads (dense_weight). Returns a tuple, one weight per group."""
+    reads (dense_weight). Returns a tuple, one weight per group.
+
+    gradient_accumulation_fusion (Megatron's config option of that name): each parameter that has a
+    main_grad gets its gradient added into main_grad in place instead of .grad (_into_main_grad)."""
     groups = [tuple(g) for g in groups]
     if any(not g or any(t.shape != g[0].shape for t in g) for g in groups):
         raise ValueError("fp8a2a: expert_weights needs non-empty groups of same-shaped parameters")
-    out = _ExpertWeights.apply(tuple(len(g) for g in groups), *(t for g in groups for t in g))
+    out = _ExpertWeights.apply(tuple(len(g) for g in groups), bool(gradient_accumulation_fusion),
+                               *(t for g in groups for t in g))
     for w, g in zip(out, groups):
         w.__dict__["_fp8a2a_sources"] = g
     return out

@@ -6,7 +6,9 @@ The local experts' fc1 / fc2 parameters reach FP8GroupedMLP as fp8a2a.weight_cac
 stand-ins in its [E, out, in] layout: no per-forward stack. The GEMMs read the FP8 weights
 (quantized per output channel) and, for the BF16 dgrad, a BF16 stack, both cached on the
 parameters across micro-batches and rebuilt once they change (an optimizer step, an in-place
-write, invalidate_fp8_weight_cache()); each parameter gets its slice of the weight gradient.
+write, invalidate_fp8_weight_cache()); each parameter gets its slice of the weight gradient, added
+into its main_grad in place under config.gradient_accumulation_fusion (as Megatron's and TE's
+linears do: no .grad; no APEX needed, since these experts never call Megatron's linears).
 fp8_dgrad / fp8_wgrad come from the fp8a2a options (--fp8a2a-fp8-dgrad, --fp8a2a-fp8-wgrad,
 config.fp8a2a_fp8_dgrad, ...; fp8a2a/megatron/options.py); with fp8_dgrad no BF16 stack is made. Supported: SwiGLU (gated
 SiLU), GELU and ReLU experts without bias; expert-TP shards work as they are (fc2 partial sums are
@@ -84,7 +86,8 @@ class _FP8ExpertsMixin:
 
     def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (fp8a2a.weight_cache.expert_weights)
         from ..experts import expert_weights
-        return expert_weights(*self._expert_params())
+        return expert_weights(*self._expert_params(), gradient_accumulation_fusion=bool(
+            getattr(self.config, "gradient_accumulation_fusion", False)))
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         x = permuted_local_hidden_states
