@@ -22,4 +22,5 @@ y = d.combine(experts(out.tokens, out.tokens_per_expert), out.handle)  # [T, H]:
 y.float().square().mean().backward()  # gradients reach x, the router and the experts
 print(f"rank {rank}: {out.tokens.data.shape[0]} rows of {out.tokens.data.dtype} in, y {tuple(y.shape)}, "
       f"|x.grad| {x.grad.norm():.3g}")
+dist.barrier()  # every rank done with its exchanges before any leaves the group
 dist.destroy_process_group()

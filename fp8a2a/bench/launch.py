@@ -33,10 +33,13 @@ def _worker(rank, world, port, fn, args, results):
     result = None
     try:
         result = fn(rank, world, *args)
+        # every rank done with its exchanges before any leaves: a gloo rank that tears its group down
+        # while a peer still reads from it can abort the process (SIGABRT at exit)
+        dist.barrier()
     finally:
-        dist.destroy_process_group()
         if rank == 0:  # always answer, so that the parent never waits on a failed rank 0
             results.put(result)
+        dist.destroy_process_group()
 
 
 def run_cpu_ranks(world, fn, *args):
