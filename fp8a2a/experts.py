@@ -13,12 +13,12 @@ fc2 one kernel computes act(z) * router_weight and quantizes it per row for fc2.
 straight-through for every quantization: dX = dY @ W on the BF16 master weights (fp8_dgrad=True:
 dY quantized per row, W per input channel, FP8 GEMM), dW = dY^T @ x_hat in BF16 where x_hat is
 rebuilt from the saved FP8 rows and scales: no BF16 copy of any GEMM input is saved.
-fp8_wgrad=True (opt-in, lossy: README gives its error against the BF16 dW) computes
-dW from FP8 operands: dY and x_hat quantized per (expert, column), since the GEMM reduces over each
-expert's rows, scales by the package rule (amax / 448 over the expert's rows), one
-torch._scaled_grouped_mm (2d x 2d, groups padded to 16 rows) on the 'scaled_grouped_mm' backend; the
-'reference' backend emulates the same roundings (_group_col_quant). The 'triton' backend, a machine
-without Triton, and a shape the op cannot take (out or in features not a multiple of 16) keep the
+fp8_wgrad=True (lossy: README gives its error against the BF16 dW) computes dW from FP8 operands
+scaled as TE's blockwise recipe scales them: dY and x_hat quantized per 128 tokens of an expert and
+column (1 x 128 along the GEMM's reduction; every expert padded to a multiple of 128 tokens), each
+by one fused quantize-transpose (x_hat straight from the saved FP8 rows), then one grouped GEMM that
+applies both scales per 128-token step (triton_kernels.grouped_wgrad_fp8, sm_90+). The 'reference'
+backend emulates the same roundings (_block_col_quant_t); a machine without Triton or TMA keeps the
 BF16 dW, with a warning.
 
 Backends (backend=..., 'auto' picks the first that fits):
@@ -52,7 +52,7 @@ from .kernels import quantize_rows, triton_kernels, triton_ok
 from .quant import QuantizedTensor, quantize, scale_rule
 from .weight_cache import (dense_weight, expert_weights,  # noqa: F401  (expert_weights,
                            fp8_weight, invalidate_fp8_weight_cache, is_stand_in)  # invalidate...: re-exported)
-from .wire import FP8
+from .wire import BLOCK, FP8
 
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
@@ -174,8 +174,8 @@ def _ref_wgrad(g, x, offs, num_experts):
 
 @functools.lru_cache(None)
 def _warn_fp8_wgrad_unavailable(backend):
-    warnings.warn(f"fp8a2a: fp8_wgrad needs the 'scaled_grouped_mm' backend with Triton; backend {backend!r} "
-                  "computes the BF16 weight gradient", RuntimeWarning, stacklevel=4)
+    warnings.warn(f"fp8a2a: fp8_wgrad needs Triton with TMA (sm_90+); backend {backend!r} computes the BF16 "
+                  "weight gradient here", RuntimeWarning, stacklevel=4)
 
 
 def _warn_refused(err, fallback="the Triton grouped GEMM"):
@@ -242,72 +242,61 @@ def _row_groups(offs, rows):
     return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
 
 
-def _group_col_quant(v, offs):
-    """(e4m3 [M, C], scale f32 [G, C]): v [M, C] fp32 quantized per (group, column) by the package rule
-    (amax / 448 over the group's rows, IEEE divisions; scale 1 for an all-zero column). The numerics
-    of the FP8 weight gradient: its CPU path, and the reference of triton_kernels.group_col_quant_t."""
-    G, (M, C) = offs.shape[0], v.shape
+def _wgrad_padding(offs, rows):
+    """(padded group ends int32 [G], static column bound) of the FP8 weight gradient's operands:
+    every group padded to a multiple of 128 tokens (no scale block straddles two experts), computed
+    on the device (no host sync) into a buffer of static size."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    pad_offs = torch.cumsum((counts + BLOCK - 1) // BLOCK * BLOCK, 0, dtype=torch.int32)
+    return pad_offs, (rows + BLOCK - 1) // BLOCK * BLOCK + BLOCK * offs.shape[0]
+
+
+def _block_col_quant_t(v, offs, pad_offs, mpad):
+    """(e4m3 [C, mpad], scale f32 [mpad/128, C]): v [M, C] fp32 quantized per 128 tokens of a group
+    and column by the package rule (amax / 448, IEEE divisions; scale 1 for an all-zero block),
+    transposed, group g's rows in columns pad_offs[g-1]:pad_offs[g], zero-padded (TE blockwise's
+    1 x 128 along the weight gradient's reduction). The numerics of the FP8 weight gradient: its
+    CPU path, and the reference of triton_kernels.block_col_quant_t."""
+    M, C = v.shape
     gid = _row_groups(offs, M)
-    amax = v.new_zeros((G, C)).scatter_reduce_(0, gid[:, None].expand(M, C), v.abs(), "amax")
-    qmul, scale = scale_rule(amax)
-    return (v * qmul[gid]).to(FP8), scale
+    starts = (offs - torch.diff(offs, prepend=offs.new_zeros(1)))[gid]
+    pstarts = (pad_offs - torch.diff(pad_offs, prepend=pad_offs.new_zeros(1)))[gid]
+    padded = v.new_zeros((mpad, C))
+    padded[pstarts + torch.arange(M, device=v.device) - starts] = v
+    blocks = padded.view(mpad // BLOCK, BLOCK, C)
+    qmul, scale = scale_rule(blocks.abs().amax(1))
+    return (blocks * qmul[:, None]).to(FP8).view(mpad, C).t().contiguous(), scale
 
 
 def _wgrad_fp8_reference(g, x_hat, offs, num_experts):
-    """fp32 [E, N, K]: the FP8 weight gradient emulated, both operands rounded by _group_col_quant."""
-    gid = _row_groups(offs, g.shape[0])
-    gq, gs = _group_col_quant(g.float(), offs)
-    xq, xs = _group_col_quant(x_hat.float(), offs)
-    return _ref_wgrad(gq.float() * gs[gid], xq.float() * xs[gid], offs, num_experts)
+    """fp32 [E, N, K]: the FP8 weight gradient emulated, both operands rounded by _block_col_quant_t."""
+    pad_offs, mpad = _wgrad_padding(offs, g.shape[0])
+    (gq, gs), (xq, xs) = (_block_col_quant_t(v.float(), offs, pad_offs, mpad) for v in (g, x_hat))
+    deq = [q.float() * s.t().repeat_interleave(BLOCK, 1) for q, s in ((gq, gs), (xq, xs))]
+    return _ref_wgrad(deq[0].t(), deq[1].t(), pad_offs, num_experts)
 
 
-def _wgrad_padding(offs, rows):
-    """(padded group ends int32 [G], static row bound) of the FP8 weight gradient's operands: every
-    group padded to a multiple of 16 rows (torch._scaled_grouped_mm's rule), an empty one to 16 zero
-    rows; computed on the device (no host sync) into a buffer of static size."""
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    pad_offs = torch.cumsum(((counts + 15) // 16 * 16).clamp_min(16), 0, dtype=torch.int32)
-    return pad_offs, (rows + 15) // 16 * 16 + 16 * offs.shape[0]
-
-
-def _wgrad_fp8(cfg, g, xq, xs, offs):
-    """bf16 [E, out_f, in_f] = g_e^T @ x_hat_e from e4m3 operands quantized per (expert, column), one
-    torch._scaled_grouped_mm; None where the op cannot take the shape (the caller uses BF16)."""
-    (M, out_f), in_f = g.shape, xq.shape[1]
-    key = ("wgrad", out_f, in_f, torch.cuda.get_device_capability(g.device))
-    if key in _SGMM_REFUSED:
-        return None
-    if out_f % 16 or in_f % 16:
-        _SGMM_REFUSED.add(key)
-        _warn_refused(f"features {out_f} x {in_f} not multiples of 16", "the BF16 weight gradient")
-        return None
-    pad_offs, mpad = _wgrad_padding(offs, M)
-    a, sa = triton_kernels().group_col_quant_t(g, offs, pad_offs, mpad)  # g^T [out_f, mpad]
-    bt, sb = triton_kernels().group_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [in_f, mpad]
-    try:
-        return torch._scaled_grouped_mm(a, bt.t(), sa, sb, offs=pad_offs, out_dtype=torch.bfloat16,
-                                        use_fast_accum=cfg.fast_accum)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as err:
-        _SGMM_REFUSED.add(key)
-        _warn_refused(err, "the BF16 weight gradient")
-        return None
+def _wgrad_fp8(g, xq, xs, offs, out_dtype):
+    """[E, out_f, in_f] = g_e^T @ x_hat_e from e4m3 operands quantized per 128 tokens and column by
+    one fused quantize-transpose each (x_hat read from the saved FP8 rows), one grouped GEMM."""
+    tk = triton_kernels()
+    pad_offs, mpad = _wgrad_padding(offs, g.shape[0])
+    a, sa = tk.block_col_quant_t(g, offs, pad_offs, mpad)  # g^T [out_f, mpad]
+    b, sb = tk.block_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [in_f, mpad]
+    return tk.grouped_wgrad_fp8(a, sa, b, sb, pad_offs, out_dtype=out_dtype)
 
 
 def _wgrad(cfg, g, xq, xs, offs, weight):
     """[E, N, K] in weight.dtype = g[rows of e]^T @ x_hat[rows of e], x_hat = xs * xq (cfg.fp8_wgrad:
-    both operands quantized per (expert, column) first)."""
+    both operands quantized per 128 tokens of an expert and column first)."""
     E = weight.shape[0]
     if g.shape[0] == 0:
         return torch.zeros_like(weight)
     if cfg.fp8_wgrad and cfg.backend == "reference":
         return _wgrad_fp8_reference(g, _dequant(xq, xs), offs, E).to(weight.dtype)
-    if cfg.fp8_wgrad and cfg.backend == "scaled_grouped_mm" and triton_kernels() is not None:
-        dw = _wgrad_fp8(cfg, g, xq, xs, offs)
-        if dw is not None:
-            return dw.to(weight.dtype)
-    elif cfg.fp8_wgrad:
+    if cfg.fp8_wgrad and triton_kernels() is not None and triton_kernels().wgrad_fp8_ok(g.device):
+        return _wgrad_fp8(g, xq, xs, offs, weight.dtype)
+    if cfg.fp8_wgrad:
         _warn_fp8_wgrad_unavailable(cfg.backend)
     if cfg.backend == "reference":
         return _ref_wgrad(g, _dequant(xq, xs), offs, E).to(weight.dtype)

@@ -11,6 +11,9 @@ experts load lazily (CPU machines need no Triton).
   runs instead of torch._scaled_grouped_mm up to a few thousand rows per expert (faster there).
 - grouped_wgrad: out[e] = G_e^T @ (sx * X_e): the weight gradient, consuming the saved FP8 input and
   its scales directly (no BF16 copy of the input).
+- grouped_wgrad_fp8: the FP8 weight gradient, out[e] = A_e @ B_e^T reducing over expert e's token
+  columns, both e4m3 operands scaled per 128 tokens and row (triton_kernels.block_col_quant_t's
+  layout); the scales are applied per K step, as DeepGEMM and TE's blockwise GEMMs do.
 """
 import torch
 import triton
@@ -251,4 +254,71 @@ def grouped_wgrad(g, x, offs, sx=None, out_dtype=torch.bfloat16):
     _grouped_wgrad_kernel[grid](g, x, sx if sx is not None else g, offs, out, N, K, E,
                                 g.stride(0), g.stride(1), x.stride(0), x.stride(1), s_sxm, s_sxk,
                                 *out.stride(), X_SCALE=x_scale)
+    return out
+
+
+# BM, BN, GROUP_M, warps, stages, scales through TMA, warp-specialized loop of grouped_wgrad_fp8
+# (BENCHMARKS.md, Expert GEMMs)
+WGRAD_FP8_TILE = (128, 128, 8, 8, 4, True, False)
+
+
+@triton.jit
+def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, sa_ptr, sb_ptr, poffs_ptr, out_ptr, NA, NB, E,
+                              s_sa, s_sb, s_oe, s_om, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                              GROUP_M: tl.constexpr, SCALE_TMA: tl.constexpr, WS: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(NA, BM)
+    num_n = tl.cdiv(NB, BN)
+    e = pid // (num_m * num_n)
+    t = pid % (num_m * num_n)
+    first_m = (t // (GROUP_M * num_n)) * GROUP_M  # GROUP_M row tiles share the B tiles they read from L2
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    m0 = (first_m + (t % (GROUP_M * num_n)) % rows) * BM
+    n0 = ((t % (GROUP_M * num_n)) // rows) * BN
+    pstart = tl.load(poffs_ptr + e - 1, mask=e > 0, other=0)
+    pend = tl.load(poffs_ptr + e)
+    rm = m0 + tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    m_ok = rm < NA
+    n_ok = rn < NB
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(pstart, pend, BK, warp_specialize=WS):  # an expert without rows: zeros
+        a = a_desc.load([m0, k0])
+        b = b_desc.load([n0, k0])
+        kb = k0 // BK
+        if SCALE_TMA:  # pipelined with the operands
+            sa = tl.reshape(sa_desc.load([kb, m0]), [BM])
+            sb = tl.reshape(sb_desc.load([kb, n0]), [BN])
+        else:
+            sa = tl.load(sa_ptr + kb.to(tl.int64) * s_sa + rm, mask=m_ok, other=0.0)
+            sb = tl.load(sb_ptr + kb.to(tl.int64) * s_sb + rn, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+    o = out_ptr + e.to(tl.int64) * s_oe + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
+    tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def wgrad_fp8_ok(device) -> bool:
+    """Whether grouped_wgrad_fp8 runs here (host TMA descriptors, sm_90+)."""
+    return TensorDescriptor is not None and torch.device(device).type == "cuda" \
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def grouped_wgrad_fp8(a, sa, b, sb, pad_offs, out_dtype=torch.bfloat16, tile=None):
+    """out [E, NA, NB] = per expert e: sum over its 128-token blocks k of
+    (sa[k] * a[:, k]) @ (sb[k] * b[:, k])^T; a [NA, mpad] and b [NB, mpad] e4m3 with scales
+    sa [mpad/128, NA], sb [mpad/128, NB] (triton_kernels.block_col_quant_t: rows 16-byte aligned),
+    expert e's tokens in columns pad_offs[e-1]:pad_offs[e] (multiples of 128). One tile
+    (WGRAD_FP8_TILE, or `tile`)."""
+    (NA, _), NB, E = a.shape, b.shape[0], pad_offs.shape[0]
+    out = torch.empty((E, NA, NB), device=a.device, dtype=out_dtype)
+    if E == 0 or NA == 0 or NB == 0:
+        return out
+    BM, BN, group_m, warps, stages, scale_tma, ws = tile or WGRAD_FP8_TILE
+    BK = wire.BLOCK
+    grid = (E * triton.cdiv(NA, BM) * triton.cdiv(NB, BN),)
+    desc = TensorDescriptor.from_tensor
+    _grouped_wgrad_fp8_kernel[grid](desc(a, [BM, BK]), desc(b, [BN, BK]), desc(sa, [1, BM]), desc(sb, [1, BN]),
+                                    sa, sb, pad_offs, out, NA, NB, E, sa.stride(0), sb.stride(0),
+                                    out.stride(0), out.stride(1), BK=BK, BM=BM, BN=BN, GROUP_M=group_m,
+                                    SCALE_TMA=scale_tma, WS=ws, num_warps=warps, num_stages=stages)
     return out

@@ -1,12 +1,13 @@
 """Triton kernels of the expert path (fp8a2a.experts). Imported lazily: CPU machines need no Triton.
-The GEMMs (grouped_mm, grouped_mm_fp8, grouped_wgrad) live in fp8a2a.triton_gemm and are
+The GEMMs (grouped_mm, grouped_mm_fp8, grouped_wgrad, grouped_wgrad_fp8) live in fp8a2a.triton_gemm and are
 re-exported here, so this is the one module to load.
 
 - act_quant: activation (swiglu / gelu / relu / identity) * router weight, then e4m3 per row with the
   package's scale rule (amax / 448, IEEE divisions): one kernel, two passes over the row.
 - act_bwd: the activation's backward and the router-weight gradient in one kernel.
-- group_col_quant_t: e4m3 per (expert group, column), written transposed with every group padded to
-  a multiple of 16 rows: the operands of the FP8 weight-gradient GEMM (torch._scaled_grouped_mm).
+- block_col_quant_t: e4m3 per 128 rows of an expert group and column (TE blockwise's 1 x 128 along
+  the reduction), written transposed with every group padded to a multiple of 128 rows: the
+  operands of the FP8 weight-gradient GEMM (grouped_wgrad_fp8).
 """
 import torch
 import triton
@@ -14,7 +15,8 @@ import triton.language as tl
 
 from . import wire
 # the GEMMs, and the tile loader the activation kernels share with the weight-gradient GEMM
-from .triton_gemm import SCALE_BLOCK, _load_rows, fp8_tma_ok, grouped_mm, grouped_mm_fp8, grouped_wgrad  # noqa: F401
+from .triton_gemm import (SCALE_BLOCK, _load_rows, fp8_tma_ok, grouped_mm, grouped_mm_fp8,  # noqa: F401
+                          grouped_wgrad, grouped_wgrad_fp8, wgrad_fp8_ok)
 
 # The wire's constants the kernels read (fp8a2a.wire, csrc/fp8_common.h). A global a kernel reads
 # must be a constexpr; these compile to the same immediates as the literals would.
@@ -152,50 +154,50 @@ def act_bwd(z, dh, w, act):
 
 
 @triton.jit
-def _group_col_quant_t_kernel(x_ptr, sx_ptr, offs_ptr, poffs_ptr, q_ptr, s_ptr, C, G, MPAD,
-                              s_xm, s_xc, s_sxm, s_sxc, s_qc,
-                              X_SCALE: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
-    g = tl.program_id(0)
-    rc = tl.program_id(1) * BC + tl.arange(0, BC)
-    c_ok = rc < C
+def _block_col_quant_t_kernel(x_ptr, sx_ptr, offs_ptr, poffs_ptr, q_ptr, s_ptr, C, G, MPAD, S_STRIDE,
+                              s_xm, s_xc, s_sxm, s_sxc,
+                              X_SCALE: tl.constexpr, GB: tl.constexpr, BC: tl.constexpr):
+    # one 128-row block of the padded layout x one column tile: read once, amax per column,
+    # quantize, store transposed
+    blk = tl.program_id(0)
+    p0 = blk * SCALE_BLOCK
+    gg = tl.arange(0, GB)
+    pends = tl.load(poffs_ptr + gg, mask=gg < G, other=2147483647)
+    g = tl.sum((pends <= p0).to(tl.int32), 0)  # the group whose padded rows hold this block
+    if g >= G:  # past the last group: never read by the GEMM
+        return
     start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0)
     end = tl.load(offs_ptr + g)
     pstart = tl.load(poffs_ptr + g - 1, mask=g > 0, other=0)
-    pend = tl.load(poffs_ptr + g)
-    pend = tl.where(g == G - 1, MPAD, pend)  # the last group also zeroes the tail up to MPAD
-    amax = tl.zeros([BC], dtype=tl.float32)
-    for m0 in range(start, end, BM):  # pass 1: column amax over the group's rows
-        rm = m0 + tl.arange(0, BM)
-        v = _load_rows(x_ptr, sx_ptr, rm, rc, rm < end, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE)
-        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-    qmul, scale = _scale_rule(amax)
-    for p0 in range(pstart, pend, BM):  # pass 2: quantize, store transposed; padding rows are 0
-        rp = p0 + tl.arange(0, BM)
-        rm = start + (rp - pstart)
-        v = _load_rows(x_ptr, sx_ptr, rm, rc, rm < end, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE)
-        q = (tl.trans(v) * qmul[:, None]).to(tl.float8e4nv)  # [BC, BM]: rows of data are columns of x
-        tl.store(q_ptr + rc.to(tl.int64)[:, None] * s_qc + rp[None, :], q, mask=c_ok[:, None] & (rp < pend)[None, :])
-    tl.store(s_ptr + g.to(tl.int64) * C + rc, scale, mask=c_ok)
+    rc = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = rc < C
+    rm = start + (p0 - pstart) + tl.arange(0, SCALE_BLOCK)
+    v = _load_rows(x_ptr, sx_ptr, rm, rc, rm < end, c_ok, s_xm, s_xc, s_sxm, s_sxc, X_SCALE)  # 0 past end
+    qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0))
+    q = tl.trans(v * qmul[None, :]).to(tl.float8e4nv)  # [BC, 128]: rows of data are columns of x
+    rp = p0 + tl.arange(0, SCALE_BLOCK)
+    tl.store(q_ptr + rc.to(tl.int64)[:, None] * MPAD + rp[None, :], q, mask=c_ok[:, None])
+    tl.store(s_ptr + blk.to(tl.int64) * S_STRIDE + rc, scale, mask=c_ok)
 
 
-def group_col_quant_t(x, offs, pad_offs, mpad, sx=None):
-    """(data e4m3 [C, mpad], scale f32 [G * C]) of x [M, C] (bf16 / fp32, or e4m3 times sx: [M] row
-    scales, any strides, or [M, C/128] block scales) quantized per (group, column) by the package
-    rule (amax / 448 over the group's rows; scale 1 for an all-zero column), transposed. Group g's
-    rows offs[g-1]:offs[g] land in columns pad_offs[g-1]:pad_offs[g] of data, zero-padded, as do
-    the columns from pad_offs[-1] to mpad; scale[g * C + c] is the dequant multiplier."""
+def block_col_quant_t(x, offs, pad_offs, mpad, sx=None):
+    """(data e4m3 [C, mpad], scale f32 [mpad / 128, C], rows 16-byte aligned) of x [M, C] (bf16 / fp32, or e4m3 times sx:
+    [M] row scales, any strides, or [M, C/128] block scales) quantized per 128 rows of a group and
+    column by the package rule, transposed: experts._block_col_quant_t's layout and bytes. Columns
+    past pad_offs[-1] are left unwritten."""
     M, C = x.shape
     G = offs.shape[0]
     data = torch.empty((C, mpad), device=x.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty((G * C,), device=x.device, dtype=torch.float32)
-    if G == 0 or C == 0:
-        return data.zero_(), scale
+    # rows of 16 bytes (TMA reads the scales): [nb, C] inside [nb, C rounded up to 4]
+    scale = torch.empty((mpad // wire.BLOCK, (C + 3) // 4 * 4), device=x.device, dtype=torch.float32)[:, :C]
+    if G == 0 or C == 0 or mpad == 0:
+        return data, scale
     x_scale = 0 if sx is None else (2 if sx.dim() == 2 else 1)
     s_sxm, s_sxc = (sx.stride(0), sx.stride(1) if sx.dim() == 2 else 0) if sx is not None else (0, 0)
-    BC = 128
-    _group_col_quant_t_kernel[(G, triton.cdiv(C, BC))](
-        x, sx if sx is not None else scale, offs, pad_offs, data, scale, C, G, mpad,
-        x.stride(0), x.stride(1), s_sxm, s_sxc, data.stride(0), X_SCALE=x_scale, BM=64, BC=BC, num_warps=4)
+    BC = 64
+    _block_col_quant_t_kernel[(mpad // wire.BLOCK, triton.cdiv(C, BC))](
+        x, sx if sx is not None else scale, offs, pad_offs, data, scale, C, G, mpad, scale.stride(0),
+        x.stride(0), x.stride(1), s_sxm, s_sxc, X_SCALE=x_scale, GB=triton.next_power_of_2(G), BC=BC, num_warps=4)
     return data, scale
 
 

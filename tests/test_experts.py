@@ -194,24 +194,45 @@ def test_fp8_dgrad_option_close_to_bf16_dgrad():
         assert rel(a, b) < 0.08  # FP8 quantization error of dY and W^T
 
 
-def test_group_col_quant_is_the_row_rule_per_expert_column():
-    """The FP8 wgrad's operand rounding: each expert's rows, column by column, as quantize(..., 'row')
-    quantizes the transposed rows; an expert without rows gets scale 1."""
-    tpe = [7, 0, 33, 16]
+def test_block_col_quant_t_is_the_row_rule_per_128_tokens_of_an_expert():
+    """The FP8 wgrad's operand rounding: every 128 rows of an expert, column by column, as
+    quantize(..., 'row') quantizes the transposed block; padding rows are zero (scale 1 where a
+    whole block is padding or zero), and no block straddles two experts."""
+    tpe = [7, 0, 300, 128, 1]
     offs = torch.cumsum(torch.tensor(tpe), 0, dtype=torch.int32)
     v = torch.randn(sum(tpe), 96) * torch.logspace(-3, 2, 96)
     v[:, 5] = 0  # an all-zero column
-    data, scale = experts._group_col_quant(v, offs)
-    assert data.dtype == torch.float8_e4m3fn and scale.shape == (len(tpe), 96)
-    start = 0
-    for e, n in enumerate(tpe):
-        if n:
-            rd, rs = quantize_reference(v[start:start + n].t(), "row")
-            assert torch.equal(scale[e], rs)
-            assert torch.equal(data[start:start + n].t().contiguous().view(torch.uint8), rd.view(torch.uint8))
-        else:
-            assert torch.equal(scale[e], torch.ones(96))
-        start += n
+    pad_offs, mpad = experts._wgrad_padding(offs, sum(tpe))
+    assert pad_offs.tolist() == [128, 128, 512, 640, 768] and mpad >= 768 and mpad % 128 == 0
+    data, scale = experts._block_col_quant_t(v, offs, pad_offs, mpad)
+    assert data.shape == (96, mpad) and scale.shape == (mpad // 128, 96)
+    u8, start, pstart = data.view(torch.uint8), 0, 0
+    for n, pend in zip(tpe, pad_offs.tolist()):
+        for b0 in range(0, pend - pstart, 128):
+            rows = v[start + b0:start + min(b0 + 128, n)]
+            rd, rs = quantize_reference(rows.t(), "row")
+            blk = (pstart + b0) // 128
+            assert torch.equal(scale[blk], rs)
+            assert torch.equal(u8[:, pstart + b0:pstart + b0 + len(rows)], rd.view(torch.uint8))
+        assert (u8[:, pstart + n:pend] == 0).all()
+        start, pstart = start + n, pend
+
+
+def test_fp8_wgrad_reference_is_the_blockwise_product():
+    """The emulated FP8 weight gradient: per expert, the sum over its 128-token blocks of the
+    dequantized operands' product (float64 here), zero for an expert without rows."""
+    tpe = [130, 0, 5]
+    offs = torch.cumsum(torch.tensor(tpe), 0, dtype=torch.int32)
+    g, x = torch.randn(sum(tpe), 48), torch.randn(sum(tpe), 80)
+    got = experts._wgrad_fp8_reference(g, x, offs, len(tpe))
+    pad_offs, mpad = experts._wgrad_padding(offs, sum(tpe))
+    (gq, gs), (xq, xs) = (experts._block_col_quant_t(v, offs, pad_offs, mpad) for v in (g, x))
+    gd = gq.double().view(48, -1, 128) * gs.t().double()[:, :, None]
+    xd = xq.double().view(80, -1, 128) * xs.t().double()[:, :, None]
+    want = torch.stack([torch.einsum("mbt,nbt->mn", gd[:, a:b], xd[:, a:b]) for a, b in [(0, 2), (2, 2), (2, 3)]])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)  # float32 sums
+    assert got[1].abs().max() == 0
+    assert 1e-3 < rel(got, experts._ref_wgrad(g, x, offs, len(tpe))) < 0.05
 
 
 def _grads_with_and_without_fp8_wgrad(make, tpe, H, granularity="row"):
@@ -534,41 +555,58 @@ def test_gpu_fp8_dgrad(backend):
 
 
 @gpu
-@pytest.mark.parametrize("tpe", [GPU_TPE, [0, 40, 0]], ids=["uneven", "empty_ends"])
+@pytest.mark.parametrize("tpe", [GPU_TPE, [0, 40, 0], [300, 0, 128, 129]], ids=["uneven", "empty_ends", "blocks"])
 @pytest.mark.parametrize("source", ["bf16", "row", "block128", "tensor"])
-def test_gpu_group_col_quant_t_equals_the_emulation(source, tpe):
-    """triton_kernels.group_col_quant_t against experts._group_col_quant, byte for byte: data, scales,
-    zero padding of every group and of the tail."""
+def test_gpu_block_col_quant_t_equals_the_emulation(source, tpe):
+    """triton_kernels.block_col_quant_t against experts._block_col_quant_t, byte for byte: data,
+    scales and the zero padding of every group (the columns past the last group are never read)."""
     from fp8a2a import triton_kernels as tk
     torch.manual_seed(16)
     offs = torch.cumsum(torch.tensor(tpe, device="cuda"), 0, dtype=torch.int32)
-    M, G, C = sum(tpe), len(tpe), 1664 if source == "block128" else 1600  # 1600: a partial column block
+    M, C = sum(tpe), 1664 if source == "block128" else 1600  # 1600: a partial column tile
     v = torch.randn(M, C, device="cuda") * torch.logspace(-3, 2, C, device="cuda")
     if source == "bf16":
-        x, sx = v.bfloat16(), None
-        ref_q, ref_s = experts._group_col_quant(x.float(), offs)
+        x, sx, vf = v.bfloat16(), None, v.bfloat16().float()
     else:
         x, sx = quantize_reference(v, source)
         sx = sx.reshape(1).expand(M) if source == "tensor" else sx
-        ref_q, ref_s = experts._group_col_quant(experts._dequant(x, sx), offs)
+        vf = experts._dequant(x, sx)
     pad_offs, mpad = experts._wgrad_padding(offs, M)
-    data, scale = tk.group_col_quant_t(x, offs, pad_offs, mpad, sx=sx)
-    assert data.shape == (C, mpad) and torch.equal(scale.view(G, C), ref_s)
-    bounds, pads = [0] + offs.tolist(), [0] + pad_offs.tolist()
-    u8 = data.view(torch.uint8)
-    for e in range(G):
-        n = bounds[e + 1] - bounds[e]
-        assert torch.equal(u8[:, pads[e]:pads[e] + n].t(), ref_q[bounds[e]:bounds[e + 1]].view(torch.uint8))
-        assert (u8[:, pads[e] + n:pads[e + 1]] == 0).all()
-    assert (u8[:, pads[-1]:] == 0).all()
+    ref_q, ref_s = experts._block_col_quant_t(vf, offs, pad_offs, mpad)
+    data, scale = tk.block_col_quant_t(x, offs, pad_offs, mpad, sx=sx)
+    used = int(pad_offs[-1])
+    assert data.shape == (C, mpad) and torch.equal(scale[:used // 128], ref_s[:used // 128])
+    assert torch.equal(data[:, :used].view(torch.uint8), ref_q[:, :used].view(torch.uint8))
+
+
+@gpu
+@pytest.mark.parametrize("tpe", [GPU_TPE, [0, 1000, 0, 129]], ids=["uneven", "empty"])
+@pytest.mark.parametrize("shape", [(768, 2048), (200, 72)], ids=["aligned", "partial_tiles"])
+def test_gpu_grouped_wgrad_fp8_equals_the_emulation(shape, tpe):
+    """triton_kernels.grouped_wgrad_fp8 on block_col_quant_t's operands: the emulated FP8 weight
+    gradient up to accumulation order and the bf16 output; zeros for an expert without rows."""
+    from fp8a2a import triton_kernels as tk
+    torch.manual_seed(19)
+    (N, K), M = shape, sum(tpe)
+    offs = torch.cumsum(torch.tensor(tpe, device="cuda"), 0, dtype=torch.int32)
+    g, x = torch.randn(M, N, device="cuda").bfloat16(), torch.randn(M, K, device="cuda").bfloat16()
+    pad_offs, mpad = experts._wgrad_padding(offs, M)
+    a, sa = tk.block_col_quant_t(g, offs, pad_offs, mpad)
+    b, sb = tk.block_col_quant_t(x, offs, pad_offs, mpad)
+    got = tk.grouped_wgrad_fp8(a, sa, b, sb, pad_offs)
+    ref = experts._wgrad_fp8_reference(g.float(), x.float(), offs, len(tpe))
+    assert got.shape == (len(tpe), N, K) and rel(got, ref) < 1e-2
+    for e, n in enumerate(tpe):
+        if n == 0:
+            assert got[e].abs().max() == 0
 
 
 @gpu
 @pytest.mark.parametrize("granularity", ["row", "block128"])
 @pytest.mark.parametrize("fast_accum", [True, False])
 def test_gpu_fp8_wgrad_grouped_linear_vs_emulation(granularity, fast_accum):
-    """Same dY and input on both backends: the scaled_grouped_mm FP8 wgrad is the emulated one up to
-    accumulation order and the bf16 output."""
+    """Same dY and input on both backends: the GPU FP8 wgrad is the emulated one up to accumulation
+    order and the bf16 output."""
     tpe = torch.tensor(GPU_TPE, device="cuda")
     torch.manual_seed(17)
     w = (torch.randn(len(GPU_TPE), 768, 2048, device="cuda") * 0.02).bfloat16().requires_grad_()
