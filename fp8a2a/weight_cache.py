@@ -1,7 +1,12 @@
 """The expert weights the FP8 GEMMs read, cached across micro-batches: fp8_weight (FP8 [E, N, K]
 with per-output-channel scales, or its transpose per input channel for the FP8 dgrad), the BF16
 stack for the BF16 dgrad (dense_weight), and expert_weights' stand-ins for Megatron's per-expert
-parameters (no stack per forward). One validity rule for every cached copy (_cached)."""
+parameters (no stack per forward). One validity rule for every cached copy (_cached).
+
+CUDA graphs: a copy handed out while a graph is captured is read by the graph's kernels at every
+replay, which skips the check. Such copies stay where they are: a rebuild copies into them, and
+refresh_graphed(weight), called before a replay (fp8a2a.megatron does it for Megatron's graphs),
+applies the same rule at the point where the eager forward would."""
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -112,20 +117,85 @@ def _slot(weight):
     return sources, sources[0].__dict__.setdefault("_fp8a2a_cache", {}), key
 
 
+def _capturing(weight):
+    return weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _graphed(sources):
+    """The kinds cached on sources that a captured CUDA graph reads (refilled in place, never replaced)."""
+    return sources[0].__dict__.setdefault("_fp8a2a_graphed", set())
+
+
+def _hit(weight, sources, cache, kind, key):
+    """The cached copy of kind if it is valid under key, else None. Under capture a hit is marked
+    as read by the graph."""
+    hit = cache.get(kind)
+    if key is None or hit is None or hit[0] != key:
+        return None
+    if _capturing(weight):
+        _graphed(sources).add(kind)
+    return hit[1]
+
+
+def _store(sources, cache, kind, key, out):
+    """Caches out under key and returns what the caller must use: out, or for a copy a graph
+    reads, that copy with out's values copied in (a new shape cannot be what the graph read)."""
+    graphed = _graphed(sources)
+    old = cache.get(kind, (None, None))[1]
+    if kind in graphed:
+        olds, news = _tensors(old), _tensors(out)
+        if old is not None and len(olds) == len(news) and all(
+                a.shape == b.shape and a.dtype == b.dtype for a, b in zip(olds, news)):
+            for a, b in zip(olds, news):
+                a.copy_(b)
+            out = old
+        else:
+            graphed.discard(kind)
+    if key is not None or kind in graphed:  # a graphed copy with no key is refilled at every call
+        cache[kind] = (key, out)
+    return out
+
+
+def _tensors(out):
+    return () if out is None else (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
 def _cached(weight, kind, build):
     """build(sources) cached on the weight (on the first of its parameters for an expert_weights
     stand-in) under kind. The one validity rule: recomputed when a version counter or storage of a
     source changes, after every optimizer step (fused optimizers do not bump versions) and after
-    invalidate_fp8_weight_cache(); never cached for inference tensors (no version counter)."""
+    invalidate_fp8_weight_cache(); never cached for inference tensors (no version counter). A copy
+    a CUDA graph reads is rebuilt in place. A miss under capture is built by the graph itself (it
+    then rebuilds it at every replay; Megatron captures after eager warm-up runs, which hit)."""
     sources, cache, key = _slot(weight)
-    if key is not None and cache.get(kind, (None,))[0] == key:
-        return cache[kind][1]
-    cache.pop(kind, None)  # free the stale copy before building its successor
+    out = _hit(weight, sources, cache, kind, key)
+    if out is not None:
+        return out
+    if not _capturing(weight) and kind not in _graphed(sources):
+        cache.pop(kind, None)  # free the stale copy before building its successor
     with torch.no_grad():
         out = build(sources)
-    if key is not None:
-        cache[kind] = (key, out)
-    return out
+        return out if _capturing(weight) else _store(sources, cache, kind, key, out)
+
+
+def refresh_graphed(weight: torch.Tensor) -> None:
+    """Brings every cached copy of weight that a captured CUDA graph reads up to date, in place,
+    by _cached's rule (nothing to do while they are valid). Call it before each replay, once the
+    weights the replay should see are written: a replay itself checks nothing."""
+    sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
+    graphed = sources[0].__dict__.get("_fp8a2a_graphed")
+    if not graphed:
+        return
+    _, cache, key = _slot(weight)
+    if key is not None and all(cache.get(k, (None,))[0] == key for k in graphed):
+        return
+    if False in graphed and True in graphed:
+        fp8_weight(weight, with_transposed=True)  # both from one read
+    for kind in tuple(graphed):
+        if kind == "stack":
+            dense_weight(weight)
+        else:
+            fp8_weight(weight, transposed=kind)
 
 
 def is_stand_in(weight: torch.Tensor) -> bool:
@@ -184,18 +254,21 @@ def fp8_weight(weight: torch.Tensor, transposed: bool = False, with_transposed: 
     and caches it for the backward, both from one read less of the weights on CUDA
     (triton_kernels.expert_weight_quant_both)."""
     if with_transposed and not transposed:
-        _, cache, key = _slot(weight)
-        hit = cache.get(False, (None,))
-        if key is not None and hit[0] == key:  # cached (the usual micro-batch): one key computed, not two
-            return hit[1]
-        if key is not None:  # to be built, and cacheable: both kinds from one build, under _cached's rule
-            cache.pop(False, None)  # free the stale copies before building their successors
-            cache.pop(True, None)
+        sources, cache, key = _slot(weight)
+        row = _hit(weight, sources, cache, False, key)
+        if row is not None:  # cached (the usual micro-batch): one key computed, not two
+            return row
+        if key is not None and not _capturing(weight):  # both kinds from one build, under _cached's rule
+            graphed = _graphed(sources)
+            for kind in (False, True):
+                if kind not in graphed:
+                    cache.pop(kind, None)  # free the stale copies before building their successors
             row, t = _cached(weight, "both", lambda sources: _fast_weight_quant(weight, sources, "both")
                              or (_build(weight, sources, False), _build(weight, sources, True)))
             del cache["both"]  # the pair lives on as the two kinds, under the same key
-            cache[False], cache[True] = (key, row), (key, t)
-            return row
+            with torch.no_grad():
+                _store(sources, cache, True, key, t)
+                return _store(sources, cache, False, key, row)
     return _cached(weight, transposed, lambda sources: _fast_weight_quant(weight, sources, transposed)
                    or _build(weight, sources, transposed))
 

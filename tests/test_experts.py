@@ -435,6 +435,83 @@ def test_fp8_weight_cache_invalidated_by_hand_after_data_writes():
     torch.testing.assert_close(b[1], a[1] * 2)
 
 
+def _graph_reads(weight, fp8_dgrad):
+    """What the captured forward + backward of an FP8GroupedMLP read of weight: the row-wise FP8
+    copy, and the transposed one (FP8 dgrad) or the BF16 stack (BF16 dgrad)."""
+    from fp8a2a.weight_cache import dense_weight
+    row = fp8_weight(weight, with_transposed=fp8_dgrad)
+    return row, (fp8_weight(weight, transposed=True) if fp8_dgrad else dense_weight(weight))
+
+
+def _flat(reads):
+    return [t for r in reads for t in ((r,) if isinstance(r, torch.Tensor) else r)]
+
+
+@pytest.mark.parametrize("fp8_dgrad", [False, True], ids=["bf16_dgrad", "fp8_dgrad"])
+@pytest.mark.parametrize("stand_in", [False, True], ids=["dense", "expert_params"])
+def test_graphed_copies_are_refreshed_in_place(monkeypatch, stand_in, fp8_dgrad):
+    """Copies handed out during a CUDA-graph capture stay where the graph reads them: after an
+    optimizer step (or .data writes and invalidate_fp8_weight_cache()) refresh_graphed rebuilds them
+    in place, equal to a fresh build of the new weights; while valid it builds nothing."""
+    import fp8a2a.weight_cache as wc
+    counts = _count_builds(monkeypatch)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(48, 32).bfloat16()) for _ in range(3)]
+    dense = torch.nn.Parameter(torch.stack([p.detach() for p in ps]))
+    weight = (lambda: expert_weights(ps)[0]) if stand_in else (lambda: dense)
+    params = ps if stand_in else [dense]
+
+    def fresh():  # the same values, nothing cached
+        return _graph_reads(torch.stack([p.detach() for p in params]).reshape(3, 48, 32).clone(), fp8_dgrad)
+
+    eager = _flat(_graph_reads(weight(), fp8_dgrad))
+    with monkeypatch.context() as m:  # the capture: hits, now read by the graph
+        m.setattr(wc, "_capturing", lambda w: True)
+        captured = _flat(_graph_reads(weight(), fp8_dgrad))
+    assert all(a is b for a, b in zip(captured, eager))
+    ptrs = [t.data_ptr() for t in captured]
+    counts.update(stack=0, fp8=0)
+    wc.refresh_graphed(weight())
+    assert counts == {"stack": 0, "fp8": 0}  # valid: nothing built
+
+    opt = torch.optim.SGD(params, lr=10.0)  # large steps: a stale copy differs visibly
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for update in ("optimizer step", "data write"):
+        want = _flat(fresh())
+        counts.update(stack=0, fp8=0)
+        assert not all(torch.equal(a.float(), b.float()) for a, b in zip(captured, want))  # stale until refreshed
+        wc.refresh_graphed(weight())
+        assert [t.data_ptr() for t in captured] == ptrs
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == wc.FP8 else a,
+                               b.view(torch.uint8) if b.dtype == wc.FP8 else b) for a, b in zip(captured, want))
+        assert all(a is b for a, b in zip(_flat(_graph_reads(weight(), fp8_dgrad)), captured))  # eager: hits
+        # once; both FP8 kinds from one build; a dense weight is its own BF16 stack
+        assert counts == {"stack": int(stand_in and not fp8_dgrad), "fp8": 1}, counts
+        for p in params:
+            p.data.mul_(-0.5)
+        fp8a2a.invalidate_fp8_weight_cache()
+
+
+def test_graphed_copy_refreshed_in_place_by_an_eager_use_too(monkeypatch):
+    """An eager call after a change rebuilds a graph-read copy in place as well (the graph sees it)."""
+    import fp8a2a.weight_cache as wc
+    w = torch.nn.Parameter(torch.randn(2, 32, 64))
+    a = fp8_weight(w)
+    monkeypatch.setattr(wc, "_capturing", lambda w: True)
+    assert fp8_weight(w) is a
+    with torch.no_grad():
+        fresh = fp8_weight(w.detach().clone() * 2)  # a miss under capture: built, not cached
+    assert w.__dict__["_fp8a2a_cache"][False][1] is a
+    monkeypatch.setattr(wc, "_capturing", lambda w: False)
+    with torch.no_grad():
+        w.mul_(2)
+    ptr = a[0].data_ptr()
+    assert fp8_weight(w) is a and a[0].data_ptr() == ptr
+    assert torch.equal(a[0].view(torch.uint8), fresh[0].view(torch.uint8)) and torch.equal(a[1], fresh[1])
+
+
 def test_zero_rows():
     mlp = FP8GroupedMLP(3, 128, 32)
     x = torch.zeros(0, 128, requires_grad=True)

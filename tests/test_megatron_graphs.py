@@ -3,6 +3,7 @@
 places where Megatron tests `moe_token_dispatcher_type == "alltoall"` outside the dispatcher, and
 the capture-safe padding rows of the capacity mode."""
 import inspect
+import types
 import warnings
 
 import pytest
@@ -23,17 +24,95 @@ from .distributed import run_ranks
 
 
 @pytest.mark.parametrize("impl,modules,refused", [
-    ("none", [], False), ("local", ["moe_router", "moe_preprocess"], False), ("local", ["attn"], False),
-    ("local", [], True), ("local", ["moe"], True)])
-def test_fp8_experts_refuse_capture(impl, modules, refused):
-    """FP8 experts' weights are cached outside a graph: a scope that captures the experts must be refused
-    (a replay would keep the capture step's FP8 weights after optimizer steps)."""
+    ("none", [], None), ("local", ["moe_router", "moe_preprocess"], None), ("local", ["attn"], None),
+    ("local", [], None), ("local", ["moe"], None), ("local", ["full_iteration"], "cuda_graph_impl"),
+    ("transformer_engine", [], "cuda_graph_impl"), ("transformer_engine", ["moe_router"], None),
+    ("full_iteration", [], "cuda_graph_impl")])
+def test_fp8_experts_under_graphs(impl, modules, refused):
+    """FP8 experts captured by Megatron's local graphs are allowed (their weights are refreshed before
+    every replay); a capture whose replays fp8a2a cannot precede is refused, naming the option."""
+    from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
+
     from fp8a2a.megatron.experts import check_cuda_graphs as check_experts
     if refused:
-        with pytest.raises(ValueError, match="cuda_graph_modules"):
+        with pytest.raises(ValueError, match=refused):
             check_experts(Cfg(impl, modules))
     else:
         check_experts(Cfg(impl, modules))
+    if impl == "local" and modules in ([], ["moe"]):  # the replay now refreshes them first
+        assert getattr(_CudaGraphRunner.replay_graph_capture, "__fp8a2a_refresh__", False)
+
+
+def _cache_state(layer):
+    """[(kind, tensors)] of every cached copy on the FP8 experts' parameters, and the graph-read kinds."""
+    out = []
+    for p in layer.experts.parameters():
+        for kind, (_, v) in sorted(p.__dict__.get("_fp8a2a_cache", {}).items(), key=str):
+            out.append((kind, (v,) if isinstance(v, torch.Tensor) else tuple(v)))
+    return out
+
+
+def _replay_refreshes(rank, world, fp8_dgrad):
+    """A Megatron MoE layer with FP8 experts: eager micro-batches, a 'capture' (weight_cache sees a
+    capturing stream), then a mixed-precision optimizer step as Megatron's: the inner torch step on
+    fp32 main params (where torch's step hooks fire), then the BF16 params written from them through
+    .data (no version bump). The wrapped replay (a stand-in for Megatron's replay, same wrapper)
+    finds the copies the graph reads rebuilt in place, equal to an eager build of the new weights."""
+    import fp8a2a.weight_cache as wc
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
+
+    from fp8a2a.megatron.experts import _refresh_before_replay
+    from tests.test_megatron import build, init_parallel, make_config, moe_spec
+    init_parallel(world)
+    seen = {}
+
+    def replay(runner, *args, **kwargs):  # what Megatron's replay would read, at replay time
+        seen["copies"] = [(k, [t.clone() for t in ts], [t.data_ptr() for t in ts]) for k, ts in _cache_state(layer)]
+    original = _CudaGraphRunner.replay_graph_capture
+    _CudaGraphRunner.replay_graph_capture = replay
+    try:
+        assert _refresh_before_replay()
+        torch.manual_seed(1)
+        layer = build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0,
+                                                     fp8a2a_fp8_dgrad=fp8_dgrad)).bfloat16()
+        x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0)).bfloat16()
+        layer(x.clone().requires_grad_())[0].float().sum().backward()  # eager warm-up: the copies exist
+        capturing = wc._capturing
+        wc._capturing = lambda w: True
+        try:
+            layer(x.clone().requires_grad_())[0].float().sum().backward()  # the capture: hits, marked
+        finally:
+            wc._capturing = capturing
+        captured = [(k, [t.data_ptr() for t in ts]) for k, ts in _cache_state(layer)]
+        params = list(layer.experts.parameters())
+        main = [p.detach().float().clone().requires_grad_() for p in params]
+        for m in main:
+            m.grad = torch.randn_like(m)
+        torch.optim.SGD(main, lr=1.0).step()  # torch's post-step hooks fire here, before the copy
+        for p, m in zip(params, main):
+            p.data.copy_(m.detach())
+        runner = types.SimpleNamespace(base_module=layer)
+        _CudaGraphRunner.replay_graph_capture(runner, False, (), {})
+        got = seen["copies"]
+        assert [(k, ptrs) for k, _, ptrs in got] == captured, "rebuilt elsewhere than where the graph reads"
+        for p in params:  # the eager rule from scratch: what the graph must now read
+            p.__dict__.pop("_fp8a2a_cache", None)
+            p.__dict__.pop("_fp8a2a_graphed", None)
+        layer(x.clone().requires_grad_())[0].float().sum().backward()
+        want = _cache_state(layer)
+        assert [k for k, _ in want] == [k for k, _, _ in got]
+        return all(torch.equal(a.view(torch.uint8) if a.dtype == wc.FP8 else a,
+                               b.view(torch.uint8) if b.dtype == wc.FP8 else b)
+                   for (_, ga, _), (_, wa) in zip(got, want) for a, b in zip(ga, wa)) and len(got) > 0
+    finally:
+        _CudaGraphRunner.replay_graph_capture = original
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("fp8_dgrad", [False, True], ids=["bf16_dgrad", "fp8_dgrad"])
+def test_replay_refreshes_graph_read_weights_after_a_mixed_precision_step(fp8_dgrad):
+    assert run_ranks(1, _replay_refreshes, fp8_dgrad) == [True]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,8 @@ parameters across micro-batches and rebuilt once they change (an optimizer step,
 write, invalidate_fp8_weight_cache()); each parameter gets its slice of the weight gradient, added
 into its main_grad in place under config.gradient_accumulation_fusion (as Megatron's and TE's
 linears do: no .grad; no APEX needed, since these experts never call Megatron's linears).
-fp8_dgrad / fp8_wgrad come from the fp8a2a options (--fp8a2a-fp8-dgrad, --fp8a2a-fp8-wgrad,
+Under Megatron's local CUDA graphs the copies a graph reads are refreshed in place before each
+replay (check_cuda_graphs). fp8_dgrad / fp8_wgrad come from the fp8a2a options (--fp8a2a-fp8-dgrad, --fp8a2a-fp8-wgrad,
 config.fp8a2a_fp8_dgrad, ...; fp8a2a/megatron/options.py); with fp8_dgrad no BF16 stack is made. Supported: SwiGLU (gated
 SiLU), GELU and ReLU experts without bias; expert-TP shards work as they are (fc2 partial sums are
 added by the dispatcher's combine).
@@ -44,16 +45,59 @@ def _activation_name(config) -> str:
 
 
 def check_cuda_graphs(config):
-    """Refuses a CUDA-graph scope that captures the FP8 experts: their FP8 weights are cached outside
-    the graph and checked for staleness in Python, which a replay skips, so the captured GEMMs would
-    read the capture step's weights after every optimizer step."""
+    """Refuses a CUDA-graph setting that captures the FP8 experts where their cached FP8 weights
+    (checked for staleness in Python, which a replay skips) cannot be kept current. Under Megatron's
+    local graphs (cuda_graph_impl="local") they are: every replay is preceded by a refresh in place
+    of the copies the graph reads (_refresh_before_replay). Refused: the other implementations and
+    full_iteration, whose replays fp8a2a cannot precede."""
     from .dispatcher import _graph_modules
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
     modules = _graph_modules(config)
-    if (getattr(config, "cuda_graph_impl", "none") or "none") != "none" and (not modules or "moe" in modules):
-        raise ValueError("fp8a2a: FP8 experts (fp8_experts_spec) cannot be captured in a CUDA graph: "
-                         "cuda_graph_modules=[] (the whole layer) or 'moe' would replay the FP8 weights of "
-                         "the captured step after every optimizer step; capture moe_router / moe_preprocess "
-                         "only, or use Megatron's experts")
+    if impl == "none" or (modules and "moe" not in modules and "full_iteration" not in modules):
+        return
+    what = "cuda_graph_modules=[] (the whole layer) or 'moe'"
+    if impl != "local" or "full_iteration" in modules:
+        raise ValueError(f"fp8a2a: FP8 experts (fp8_experts_spec) cannot be captured with cuda_graph_impl={impl!r}, "
+                         f"cuda_graph_modules {modules}: a replay would keep the captured step's FP8 weights "
+                         f"after optimizer steps; use cuda_graph_impl='local' with {what}, capture "
+                         f"moe_router / moe_preprocess only, or use Megatron's experts")
+    if not _refresh_before_replay():
+        raise ValueError(f"fp8a2a: FP8 experts (fp8_experts_spec) under {what}: this megatron-core has no "
+                         f"_CudaGraphRunner.replay_graph_capture to refresh their FP8 weights before; capture "
+                         f"moe_router / moe_preprocess only, or use Megatron's experts")
+
+
+def _refresh_before_replay() -> bool:
+    """Wraps Megatron's _CudaGraphRunner.replay_graph_capture once per process (left in place by
+    unregister(): built models depend on it): before a replay, every FP8 experts module in the
+    runner's module brings the weight copies its graphs read up to date. That call comes after
+    CudaGraphManager has run the DDP pre-forward hooks (an overlapped param all-gather has landed)
+    and after the whole optimizer step (the BF16 params are written from the main params after the
+    inner optimizer's step hooks): where the eager forward would check them. Costs one key check
+    per weight per replay; the rebuild, once per optimizer step. False where there is nothing to wrap."""
+    try:
+        from megatron.core.transformer.cuda_graphs import _CudaGraphRunner
+    except ImportError:
+        return False
+    original = getattr(_CudaGraphRunner, "replay_graph_capture", None)
+    if original is None:
+        return False
+    if getattr(original, "__fp8a2a_refresh__", False):
+        return True
+
+    @functools.wraps(original)
+    def replay_graph_capture(self, *args, **kwargs):
+        experts = self.__dict__.get("_fp8a2a_experts")
+        if experts is None:  # the runner's module does not change: look once
+            experts = [m for m in self.base_module.modules() if isinstance(m, _FP8ExpertsMixin)]
+            self.__dict__["_fp8a2a_experts"] = experts
+        for m in experts:
+            m.refresh_graphed_weights()
+        return original(self, *args, **kwargs)
+
+    replay_graph_capture.__fp8a2a_refresh__ = True
+    _CudaGraphRunner.replay_graph_capture = replay_graph_capture
+    return True
 
 
 class _FP8ExpertsMixin:
@@ -88,6 +132,17 @@ class _FP8ExpertsMixin:
         from ..experts import expert_weights
         return expert_weights(*self._expert_params(), gradient_accumulation_fusion=bool(
             getattr(self.config, "gradient_accumulation_fusion", False)))
+
+    def refresh_graphed_weights(self):
+        """Rebuilds in place the cached weights that captured CUDA graphs read, where the parameters
+        changed (weight_cache.refresh_graphed); nothing when no graph reads them."""
+        from ..weight_cache import refresh_graphed
+        w1, w2 = self._expert_params()
+        if not (w1[0].__dict__.get("_fp8a2a_graphed") or w2[0].__dict__.get("_fp8a2a_graphed")):
+            return
+        with torch.no_grad():
+            for w in self._fp8_weights():
+                refresh_graphed(w)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         x = permuted_local_hidden_states

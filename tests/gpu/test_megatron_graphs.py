@@ -4,7 +4,9 @@ one, step 1 eager (Megatron records the graphs), create_cudagraphs() (capture), 
 from the graphs on a new input; output, input gradient and every parameter's gradient compared
 (main_grad, where the graphs accumulate weight gradients, plus .grad of what ran eagerly). Also
 the settings fp8_alltoall refuses (fp8a2a.megatron.dispatcher.check_cuda_graphs): the error names
-the option. Marked gpu; needs megatron-core (0.19.2 on the device):
+the option. And fp8_experts_spec's FP8 experts captured with the layer or its MoE part, against the
+same layer eager over several optimizer steps (their cached FP8 weights refreshed before each
+replay). Marked gpu; needs megatron-core (0.19.2 on the device):
 
     python -m pytest tests/gpu/test_megatron_graphs.py -m gpu -q
 """
@@ -37,6 +39,8 @@ def megatron_world_of_one():
 def make_config(dispatcher, modules, **over):
     from megatron.core.transformer import TransformerConfig
     fp8 = {k: over.pop(k) for k in list(over) if k.startswith("fp8a2a_")}
+    if over.get("cuda_graph_impl") == "none":  # the eager reference of a graphed config
+        modules = []
     kw = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, ffn_hidden_size=FFN,
               num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_token_dispatcher_type=dispatcher,
               moe_aux_loss_coeff=0.0, add_bias_linear=False, gated_linear_unit=True,
@@ -150,3 +154,108 @@ def test_refused_settings_name_the_option(name, over, option):
     modules = over.pop("cuda_graph_modules")
     with pytest.raises(ValueError, match=option):
         build_layer(layer_spec(), make_config(fm.FP8_ALLTOALL, modules, **over)).cuda().bfloat16()
+
+
+# ---- FP8 experts (fp8_experts_spec) under the graphs, over several optimizer steps ----------------
+
+STEPS = 4  # step 0 eager (recorded, then captured), steps 1.. replayed, each after an optimizer step
+STEP_TOL = 0.03  # graphed against eager: the same kernels; the weights drift apart only by lr x grad error
+MOVE = 0.2  # each parameter moves this fraction of its norm per step: a stale FP8 weight is far off
+
+
+def fp8_experts_layer_spec(te):
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_submodules,
+                                                          get_gpt_layer_with_transformer_engine_submodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+    subs = (get_gpt_layer_with_transformer_engine_submodules(num_experts=EXPERTS, moe_grouped_gemm=True) if te
+            else get_gpt_layer_local_submodules(num_experts=EXPERTS, moe_grouped_gemm=False))
+    return fm.fp8_experts_spec(ModuleSpec(module=MoETransformerLayer, submodules=subs))
+
+
+def train(cfg, spec, graphed, state=None, lrs=None):
+    """STEPS optimizer steps of one micro-batch (the same input every step, so only the weights
+    change the output), as Megatron's mixed precision does them: gradients (main_grad + .grad) onto
+    fp32 main params, torch SGD steps them (torch's step hooks fire there), then the BF16 params are
+    written from them through .data (no version bump). lrs (one per parameter) default to moving each
+    parameter MOVE of its norm on step 0. Graphed: step 0 records, create_cudagraphs() after its
+    backward (as Megatron's schedule), later steps replay. -> (state at build, lrs, [per step: y - x,
+    x.grad, {name: grad}], the FP8 experts' class name)."""
+    from megatron.core.transformer.cuda_graphs import create_cudagraphs, delete_cuda_graphs
+    delete_cuda_graphs()
+    torch.manual_seed(1)
+    layer = build_layer(spec, cfg).cuda().bfloat16()
+    if state is not None:
+        layer.load_state_dict(state)
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
+    names, params = zip(*layer.named_parameters())
+    for p in params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    main = [p.detach().float().clone() for p in params]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x0 = torch.randn(SEQ, MBS, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16)
+    G = torch.randn(x0.shape, device="cuda", generator=g, dtype=torch.bfloat16)
+    opt, out = None, []
+    for step in range(STEPS):
+        for p in params:
+            p.main_grad.zero_()
+            p.grad = None
+        x = x0.clone().requires_grad_()
+        y = layer(hidden_states=x, attention_mask=None)
+        y = y[0] if isinstance(y, tuple) else y
+        d = (y.detach().float() - x0.float()).clone()  # before the backward (graph buffers are reused)
+        (y.float() * G.float()).sum().backward()
+        grads = {n: p.main_grad + (p.grad.float() if p.grad is not None else 0) for n, p in zip(names, params)}
+        out.append((d, x.grad.detach().float().clone(), grads))
+        if graphed and step == 0:
+            create_cudagraphs()  # after the step's backward, before its optimizer step (Megatron's order)
+        if opt is None:
+            if lrs is None:
+                lrs = [(MOVE * m.norm() / grads[n].norm()).item() if grads[n].norm() > 0 else 0.0
+                       for n, m in zip(names, main)]
+            opt = torch.optim.SGD([{"params": [m], "lr": lr} for m, lr in zip(main, lrs)], lr=0.0)
+        for n, m in zip(names, main):
+            m.grad = grads[n]
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, main):
+                p.data.copy_(m)
+    torch.cuda.synchronize()
+    experts = type(layer.mlp.experts).__name__
+    delete_cuda_graphs()
+    del layer
+    return state, lrs, out, experts
+
+
+GRAPHED_FP8_EXPERTS = [("moe-drop-and-pad", ["moe"]), ("whole-layer-drop-and-pad", [])]
+
+
+@pytest.mark.parametrize("fp8_dgrad", [False, True], ids=["bf16-dgrad", "fp8-dgrad"])
+@pytest.mark.parametrize("te", [False, True], ids=["local-spec", "te-spec"])
+@pytest.mark.parametrize("name,modules", GRAPHED_FP8_EXPERTS, ids=[c[0] for c in GRAPHED_FP8_EXPERTS])
+def test_graphed_fp8_experts_follow_optimizer_steps(name, modules, te, fp8_dgrad):
+    """FP8 experts captured in Megatron's graphs against the same layer eager, step by step over
+    STEPS optimizer steps: the layer's output (less its input), the input gradient and every
+    parameter's gradient. Each step moves every parameter MOVE of its norm, so the output moves far
+    more than STEP_TOL per step (checked): FP8 weights (or the BF16 / transposed copies the backward
+    reads) stale by one step fail."""
+    if te:
+        pytest.importorskip("transformer_engine")  # after torch (imported above), as TE needs
+    over = dict(moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True, fp8a2a_fp8_dgrad=fp8_dgrad,
+                **({"moe_grouped_gemm": True} if te else {}))
+    spec = fp8_experts_layer_spec(te)
+    state, lrs, ref, ref_experts = train(make_config(fm.FP8_ALLTOALL, list(modules), cuda_graph_impl="none", **over),
+                                         spec, graphed=False)
+    _, _, mine, experts = train(make_config(fm.FP8_ALLTOALL, list(modules), **over), spec, graphed=True,
+                                state=state, lrs=lrs)
+    assert experts == ref_experts == ("FP8TEGroupedMLP" if te else "FP8SequentialMLP")
+    for step in range(1, STEPS):
+        moved = rel(ref[step][0], ref[step - 1][0])
+        assert moved > 3 * STEP_TOL, f"step {step}: the output moved only {moved:.3f}: staleness would not show"
+    bad = {}
+    for step, ((d, gx, grads), (rd, rgx, rgrads)) in enumerate(zip(mine, ref)):
+        assert torch.isfinite(d).all() and torch.isfinite(gx).all(), f"step {step}: non-finite output or gradient"
+        err = {"y-x": rel(d, rd), "x.grad": rel(gx, rgx)}
+        err.update({n: rel(grads[n], rgrads[n]) for n in rgrads if rgrads[n].norm() > 0})
+        bad.update({f"step {step} {k}": v for k, v in err.items() if not v <= STEP_TOL})
+    assert not bad, f"{name}: graphed against eager, relative L2 errors above {STEP_TOL}: {bad}"
