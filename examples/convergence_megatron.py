@@ -9,7 +9,11 @@ fp8_recipe="blockwise", moe_router_padding_for_quantization). Arms of one seed:
   C      fp8_block128        fp8_alltoall, one scale per 128 values
   D      fp8_experts         fp8_alltoall (row) + fp8a2a.megatron.fp8_experts_spec
   E      fp8_experts_dgrad   D with FP8 input-gradient GEMMs (fp8a2a_fp8_dgrad)
+  F      fp8_experts_dgrad_wgrad   E with FP8 weight-gradient GEMMs too (fp8a2a_fp8_wgrad)
+  G      fp8_row_combine     B with the combine forward in FP8 (fp8a2a_fp8_combine)
+  H      fp8_row_dispatch_bwd  B with the dispatch backward in FP8 (fp8a2a_fp8_dispatch_backward)
   noise  bf16_order2         A with a second data order: the run-to-run noise floor
+  rerun  bf16_rerun          A again: differs from A only where the kernels are nondeterministic
 
 A seed sets the initialization (every arm of a seed copies the weights of one reference model built
 from it) and the data order (byte windows of the Python standard library's .py files, the corpus of
@@ -133,6 +137,14 @@ def build_model(cfg, arm, device):
     return model.to(device=device, dtype=dtype), config, dispatcher
 
 
+def data_order(train_t, val_t, cfg, seed, order, steps, device, **held_out):
+    """Batches of data order `order` (an arm's ARMS entry) of `seed`; held_out: val_seqs and
+    val_full_max other than cfg's."""
+    ns = types.SimpleNamespace(data_seed=1000003 * seed + order, seq=cfg.seq, batch=cfg.batch,
+                               **{k: held_out.get(k, getattr(cfg, k)) for k in ("val_seqs", "val_full_max")})
+    return Batches(train_t, val_t, ns, steps, device)
+
+
 def seed_everything(seed, device):
     from megatron.core import tensor_parallel
     torch.manual_seed(seed)
@@ -217,6 +229,16 @@ class Probe:
                     te_fp8=self.te_fp8, router_max_load=self.load_trace)
 
 
+def decays(name, shape):
+    """Whether AdamW decays this parameter: matrices, not embeddings (Megatron's rule)."""
+    return len(shape) >= 2 and "embedding" not in name
+
+
+def opt_order(names, shapes):
+    """The parameters in the order Arm's AdamW holds them: the decayed group, then the rest."""
+    return [n for n in names if decays(n, shapes[n])] + [n for n in names if not decays(n, shapes[n])]
+
+
 class Arm:
     """One arm's model (the seed's initialization), FP32 master weights, AdamW, data order."""
 
@@ -237,24 +259,26 @@ class Arm:
         fp32 = all(p.dtype == torch.float32 for p in self.params)
         self.master = self.params if fp32 else [p.detach().float().clone() for p in self.params]
         self.have = None  # indices of the parameters that got gradients
-        decay = [m for (n, p), m in zip(params.items(), self.master) if p.dim() >= 2 and "embedding" not in n]
-        other = [m for (n, p), m in zip(params.items(), self.master) if not (p.dim() >= 2 and "embedding" not in n)]
+        self.names = list(params)
+        master = dict(zip(self.names, self.master))
+        decay = [master[n] for n in self.names if decays(n, params[n].shape)]
+        other = [master[n] for n in self.names if not decays(n, params[n].shape)]
         self.opt = torch.optim.AdamW([dict(params=decay, weight_decay=cfg.weight_decay),
                                       dict(params=other, weight_decay=0.0)], lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                      foreach=True)
-        s, b = cfg.seq, cfg.batch
-        self.pos = torch.arange(s, device=device)[None].expand(b, -1)
+        s = cfg.seq
+        self.pos = torch.arange(s, device=device)[None]
         # the local spec's attention takes the causal mask; TE's uses its causal mask type
         self.mask = None if cfg.te else torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
 
     def loss(self, x, y):
-        return self.model(x, self.pos[: x.shape[0]], self.mask, labels=y).float().mean()
+        return self.model(x, self.pos.expand(x.shape[0], -1), self.mask, labels=y).float().mean()
 
     def state(self):
         """What a later process needs to continue this run: weights, masters, AdamW, RNG."""
         cuda = self.device.type == "cuda"
         return dict(model=self.model.state_dict(), opt=self.opt.state_dict(), rng=torch.get_rng_state(),
-                    master=None if self.master is self.params else self.master,
+                    master=None if self.master is self.params else self.master, names=self.names,
                     cuda_rng=torch.cuda.get_rng_state(self.device) if cuda else None)
 
     def load_state(self, st):
@@ -267,6 +291,31 @@ class Arm:
         torch.set_rng_state(st["rng"])
         if st["cuda_rng"] is not None:
             torch.cuda.set_rng_state(st["cuda_rng"], self.device)
+        invalidate_fp8_weight_cache()
+
+    def load_weights(self, st, optimizer=True):
+        """Another arm's state (st: its state()), to branch from it: the parameters by name and, with
+        `optimizer`, the FP32 masters and AdamW's moments by name too. The models of two arms hold the
+        same parameters, but their other state (TE's, the experts' modules) and order may differ."""
+        src = st["names"]
+        if set(src) != set(self.names):
+            raise RuntimeError(f"{self.name}: parameters differ from the state's: {sorted(set(src) ^ set(self.names))}")
+        with torch.no_grad():
+            for n, p in zip(self.names, self.params):
+                p.copy_(st["model"][n])
+            if optimizer and self.master is not self.params:
+                saved = dict(zip(src, st["master"]))
+                for n, m in zip(self.names, self.master):
+                    m.copy_(saved[n])
+        if optimizer:
+            shapes = {n: tuple(st["model"][n].shape) for n in src}
+            at = {n: i for i, n in enumerate(opt_order(src, shapes))}
+            o, groups, j = st["opt"], [], 0
+            for g in o["param_groups"]:  # the same groups (one rule, the same names), renumbered
+                groups.append(dict(g, params=list(range(j, j + len(g["params"])))))
+                j += len(g["params"])
+            state = {k: o["state"][at[n]] for k, n in enumerate(opt_order(self.names, shapes)) if at[n] in o["state"]}
+            self.opt.load_state_dict(dict(state=state, param_groups=groups))
         invalidate_fp8_weight_cache()
 
     def new_weights(self):
@@ -305,10 +354,12 @@ class Arm:
         return loss.detach()
 
     @torch.no_grad()
-    def val_loss(self, full=False):
+    def val_loss(self, full=False, batch=None):
+        """Mean loss over the held-out windows (the fixed subset, or with `full` the whole split), in
+        whole batches of `batch` windows (default: the training batch)."""
         self.model.eval()
         self.new_weights()
-        v, tot, b = (self.data.val_full if full else self.data.val), 0.0, self.cfg.batch
+        v, tot, b = (self.data.val_full if full else self.data.val), 0.0, batch or self.cfg.batch
         for i in range(0, v.shape[0] - b + 1, b):  # whole batches (the training shape)
             w = v[i: i + b]
             tot = tot + self.loss(w[:, :-1], w[:, 1:]) * w.shape[0]
@@ -486,6 +537,21 @@ def seed_summary(meta, log):
     return text
 
 
+def add_model_args(p):
+    """The options model_config reads (sizes, spec, precision), the corpus and the threads: the same
+    flags in every script that builds this model."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke)")
+    p.add_argument("--local-spec", action="store_true", help="Megatron's local spec on the GPU too (no TE)")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="BF16 weights (FP32 masters in AdamW) and activations (default: on for cuda, off for cpu)")
+    p.add_argument("--fp8-recipe", default="blockwise", help="TE recipe on the GPU (Megatron's fp8_recipe; none: off)")
+    for k in ("layers", "hidden", "heads", "experts", "topk", "moe-ffn", "shared-expert", "seq", "batch"):
+        p.add_argument("--" + k, type=int, default=None)
+    p.add_argument("--corpus-bytes", type=int, default=0, help="read at most this many corpus bytes (0: all)")
+    p.add_argument("--threads", type=int, default=0)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -497,18 +563,9 @@ def main(argv=None):
                    help="seconds for this command (0: none): arms whose calibrated time does not fit are skipped")
     p.add_argument("--jobs", type=int, default=1, help="train the arms in this many processes at once")
     p.add_argument("--deadline-at", type=float, default=0.0, help=argparse.SUPPRESS)  # --jobs: the parent's, epoch s
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke)")
-    p.add_argument("--local-spec", action="store_true", help="Megatron's local spec on the GPU too (no TE)")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="BF16 weights (FP32 masters in AdamW) and activations (default: on for cuda, off for cpu)")
-    p.add_argument("--fp8-recipe", default="blockwise", help="TE recipe on the GPU (Megatron's fp8_recipe; none: off)")
-    for k, t in (("layers", int), ("hidden", int), ("heads", int), ("experts", int), ("topk", int), ("moe-ffn", int),
-                 ("shared-expert", int), ("seq", int), ("batch", int), ("lr", float), ("warmup", int),
-                 ("log-every", int), ("val-seqs", int), ("val-full-max", int)):
+    add_model_args(p)
+    for k, t in (("lr", float), ("warmup", int), ("log-every", int), ("val-seqs", int), ("val-full-max", int)):
         p.add_argument("--" + k, type=t, default=None)
-    p.add_argument("--corpus-bytes", type=int, default=0, help="read at most this many corpus bytes (0: all)")
-    p.add_argument("--threads", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="train nothing: merge per-seed dirs into --out")
@@ -560,9 +617,8 @@ def train_seed(a, arms, log):
     fm.register()
     teardown = world_of_one(a.seed)
     train_t, val_t, corpus = load_corpus(a.corpus_bytes or None)
-    ns = lambda order: types.SimpleNamespace(data_seed=1000003 * a.seed + order, seq=cfg.seq, batch=cfg.batch,  # noqa: E731
-                                             val_seqs=cfg.val_seqs, val_full_max=cfg.val_full_max)
-    data = {o: Batches(train_t, val_t, ns(o), max(a.steps, 16), device) for o in sorted({ARMS[x][4] for x in arms} | {1})}
+    data = {o: data_order(train_t, val_t, cfg, a.seed, o, max(a.steps, 16), device)
+            for o in sorted({ARMS[x][4] for x in arms} | {1})}
     te = sys.modules.get("transformer_engine")
     versions = dict(torch=torch.__version__, megatron_core=mcore_version, fp8a2a=fp8a2a.__version__,
                     transformer_engine=getattr(te, "__version__", None) if te else None)

@@ -70,7 +70,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import types
 import warnings
@@ -78,9 +77,11 @@ import warnings
 import torch
 
 import convergence_megatron as cm  # the sibling example: model, arms, data (this script's directory is on sys.path)
+from convergence_stats import NOISE_ARMS
 
 TARGET = 0.1  # median gradient error / minibatch noise over parameters, at every checkpoint
 GROUPS = ("expert", "router", "rest")
+GRAD_ARMS = [x for x in cm.ARMS if x not in NOISE_ARMS]  # the noise arms differ in data or nondeterminism only
 
 
 def group_of(name):
@@ -195,11 +196,59 @@ def report(summary, log):
             + (f" (not measured at {', '.join(s['checkpoints_missing'])})" if s["checkpoints_missing"] else "") + " |")
 
 
+def noise_batches(train_t, val_t, cfg, seed, n, device):
+    """2n batches of uniform random windows from a seed no training order uses: b = 2k, b' = 2k + 1."""
+    from train_convergence import Batches
+    ns = types.SimpleNamespace(data_seed=7919 * (seed + 1) + 17, seq=cfg.seq, batch=cfg.batch, val_seqs=1,
+                               val_full_max=1)
+    return Batches(train_t, val_t, ns, 2 * n, device)
+
+
+def measure_models(models, arms, data, n, log):
+    """The measurement on models that hold the same weights: models["ref"] (arm A) and models[x] per
+    arm x; data from noise_batches. Returns (per-arm error and ratio, noise, names by group)."""
+    names = [n for n, _ in models["ref"].model.named_parameters()]
+    by_group = {g: [n for n in names if group_of(n) == g] for g in GROUPS}
+    by_group = {g: v for g, v in by_group.items() if v}
+    by_group["all"] = names
+    noise = {k: [] for k in names + list(by_group)}
+    res = {x: dict(name=cm.ARMS[x][0], error={k: [] for k in noise}, ratio={k: [] for k in noise}) for x in arms}
+    t0 = time.perf_counter()
+    for k in range(n):
+        xb, yb = data.get(2 * k)
+        g_ref = gradients(models["ref"], xb, yb)
+        nz = rel_diffs(gradients(models["ref"], *data.get(2 * k + 1)), g_ref, by_group)
+        for key in noise:
+            noise[key].append(nz[key])
+        for x in arms:
+            err = rel_diffs(gradients(models[x], xb, yb), g_ref, by_group)
+            for key in noise:
+                res[x]["error"][key].append(err[key])
+                res[x]["ratio"][key].append(ratio(err[key], nz[key]))
+        log(f"batch {k + 1}/{n}: noise (all) {nz['all']:.4f}; "
+            + ", ".join(f"{x} error {res[x]['error']['all'][-1]:.3g}" for x in arms)
+            + f"  ({time.perf_counter() - t0:.1f} s)")
+    return res, noise, by_group
+
+
+def document(models, arms, res, noise, by_group, cfg, n, seed, label, checkpoint=None, step=None):
+    """One measurement's output (what --merge reads)."""
+    probes = {x: models[x].probe.report() for x in arms}
+    doc = dict(tool="grad_noise", label=label, checkpoint=os.path.abspath(checkpoint) if checkpoint else None,
+               checkpoint_step=step, seed=seed, batch=cfg.batch, batches=n, config=vars(cfg), arms=res,
+               params={k: dict(group=group_of(k), numel=p.numel()) for k, p in models["ref"].model.named_parameters()},
+               groups={g: len(v) for g, v in by_group.items()}, noise=noise,
+               fp8_wire={x: probes[x]["fp8_wire"] for x in arms},
+               wire_granularity={x: probes[x]["wire_granularity"] for x in arms})
+    doc["summary"] = summarize([doc])
+    return doc
+
+
 def measure(a, log):
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|moe_ffn_hidden_size).*")
     from fp8a2a.megatron.standalone import world_of_one
     import fp8a2a.megatron as fm
-    from train_convergence import Batches, load_corpus
+    from train_convergence import load_corpus
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -222,44 +271,14 @@ def measure(a, log):
             raise SystemExit(f"{a.checkpoint}: no weights for {missing[:5]}")
         init = {n: state[n].to(device) for n in names}
     train_t, val_t, _ = load_corpus(a.corpus_bytes or None)
-    # 2N batches of uniform random windows from a seed no training order uses: b = 2k, b' = 2k + 1
-    ns = types.SimpleNamespace(data_seed=7919 * (a.seed + 1) + 17, seq=cfg.seq, batch=cfg.batch, val_seqs=1,
-                               val_full_max=1)
-    data = Batches(train_t, val_t, ns, 2 * a.batches, device)
+    data = noise_batches(train_t, val_t, cfg, a.seed, a.batches, device)
     models = {}
     for x in ["A"] + a.arms:  # the reference, then each arm (arm A again: a second model, the same weights)
         models["ref" if not models else x] = cm.Arm(x, cfg, init, data, device, 1)
-    names = [n for n, _ in models["ref"].model.named_parameters()]
-    by_group = {g: [n for n in names if group_of(n) == g] for g in GROUPS}
-    by_group = {g: v for g, v in by_group.items() if v}
-    by_group["all"] = names
-    noise = {k: [] for k in names + list(by_group)}
-    res = {x: dict(name=cm.ARMS[x][0], error={k: [] for k in noise}, ratio={k: [] for k in noise}) for x in a.arms}
-    t0 = time.perf_counter()
-    for k in range(a.batches):
-        xb, yb = data.get(2 * k)
-        g_ref = gradients(models["ref"], xb, yb)
-        nz = rel_diffs(gradients(models["ref"], *data.get(2 * k + 1)), g_ref, by_group)
-        for key in noise:
-            noise[key].append(nz[key])
-        for x in a.arms:
-            err = rel_diffs(gradients(models[x], xb, yb), g_ref, by_group)
-            for key in noise:
-                res[x]["error"][key].append(err[key])
-                res[x]["ratio"][key].append(ratio(err[key], nz[key]))
-        log(f"batch {k + 1}/{a.batches}: noise (all) {nz['all']:.4f}; "
-            + ", ".join(f"{x} error {res[x]['error']['all'][-1]:.3g}" for x in a.arms)
-            + f"  ({time.perf_counter() - t0:.1f} s)")
-    probes = {x: models[x].probe.report() for x in a.arms}
+    res, noise, by_group = measure_models(models, a.arms, data, a.batches, log)
+    label = a.label or (os.path.basename(a.checkpoint) if a.checkpoint else f"init_seed{a.seed}")
+    doc = document(models, a.arms, res, noise, by_group, cfg, a.batches, a.seed, label, a.checkpoint, done)
     teardown()
-    doc = dict(tool="grad_noise", label=a.label or (os.path.basename(a.checkpoint) if a.checkpoint else f"init_seed{a.seed}"),
-               checkpoint=os.path.abspath(a.checkpoint) if a.checkpoint else None,
-               checkpoint_step=done, seed=a.seed, batch=cfg.batch, batches=a.batches, config=vars(cfg), arms=res,
-               params={n: dict(group=group_of(n), numel=p.numel()) for n, p in models["ref"].model.named_parameters()},
-               groups={g: len(v) for g, v in by_group.items()}, noise=noise,
-               fp8_wire={x: probes[x]["fp8_wire"] for x in a.arms},
-               wire_granularity={x: probes[x]["wire_granularity"] for x in a.arms})
-    doc["summary"] = summarize([doc])
     return doc
 
 
@@ -289,23 +308,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", help="a convergence_megatron.py checkpoint (a cut run's DIR/<run>.pt); "
                    "none: the initialization of --seed")
-    p.add_argument("--arms", default="A,B,C,D,E", help=f"comma-separated, of {', '.join(x for x in cm.ARMS if x != 'noise')}")
+    p.add_argument("--arms", default="A,B,C,D,E", help="comma-separated, of " + ", ".join(GRAD_ARMS))
     p.add_argument("--batches", type=int, default=8, help="N: measurements, each on batches b and b'")
-    p.add_argument("--batch", type=int, default=None, help="sequences per batch (default: the model configuration's)")
     p.add_argument("--seed", type=int, default=1, help="the initialization without a checkpoint; the batches")
     p.add_argument("--label", help="this checkpoint's name in --merge (default: the checkpoint's file name)")
     p.add_argument("--out", default="out/grad_noise.json")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="measure nothing: combine these outputs into --out")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke; without a checkpoint)")
-    p.add_argument("--local-spec", action="store_true")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--fp8-recipe", default="blockwise")
-    for k, t in (("layers", int), ("hidden", int), ("heads", int), ("experts", int), ("topk", int), ("moe-ffn", int),
-                 ("shared-expert", int), ("seq", int)):
-        p.add_argument("--" + k, type=t, default=None)
-    p.add_argument("--corpus-bytes", type=int, default=0, help="read at most this many corpus bytes (0: all)")
-    p.add_argument("--threads", type=int, default=0)
+    cm.add_model_args(p)  # without a checkpoint; --batch (sequences per batch) overrides a checkpoint's too
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     log = (lambda *s: None) if a.quiet else (lambda *s: print(*s, flush=True))
@@ -313,7 +322,7 @@ def main(argv=None):
         doc = merge(a.merge, log)
     else:
         a.arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-        bad = [x for x in a.arms if x not in cm.ARMS or x == "noise"]
+        bad = [x for x in a.arms if x not in GRAD_ARMS]
         if bad:
             p.error(f"unknown arms {bad} (the noise arm is a data order; the noise is measured here)")
         if a.device == "cuda" and not torch.cuda.is_available():

@@ -16,6 +16,11 @@
 #                                          CONV_CKPT=.conv_ckpt saves the runs the deadline cuts there, per seed,
 #                                          and the same command in the next call continues them: runs longer
 #                                          than one call, over calls on a warm machine)
+#   bash scripts/gpu_session.sh branch    (examples/branched_ab.py: a BF16 trunk, every arm branched from its checkpoints
+#                                          and the gradient error at each, in 1 + BRANCH_WORKERS (default 10) processes
+#                                          under MPS (MPS=0: time slices); BRANCH_CKPT (default .branch_ckpt) keeps the
+#                                          trunk's checkpoints and the finished branches, so the same command in the next
+#                                          call continues a cut run; BRANCH_ARGS adds flags (e.g. "--eval-seqs 0"))
 #   modes combine: bash scripts/gpu_session.sh tests,kernels
 # One device call may take 600 s (BUDGET_S caps this script, default 570).
 # EXTRA="commands" runs them last, in the same environment (LOGS=the packed folder).
@@ -70,6 +75,28 @@ step build 300 python3 setup.py build_ext --inplace || exit 1
 python3 -c "import torch, fp8a2a.ops; print(torch.__version__, torch.cuda.get_device_name())"
 mode=,${1:-tests,bench},
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+start_mps() {  # the processes share the GPU through MPS instead of time slices;
+  # a private pipe directory keeps the other steps' processes off it; the EXIT trap stops it
+  export CUDA_MPS_PIPE_DIRECTORY=$LOGS/../mps_pipe CUDA_MPS_LOG_DIRECTORY=$LOGS/../mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then echo "MPS daemon started"
+  else echo "MPS: no daemon (nvidia-cuda-mps-control missing or failed): time slices"; fi
+}
+branch() {  # examples/branched_ab.py: trunk, branches, evaluations and gradients in one budget, then the tables
+  local budget=$((DEADLINE - SECONDS - 30)) rc
+  (( budget < 120 )) && { echo "=== branch: skipped, out of time"; return 1; }
+  echo "=== branch: time budget $budget s, state ${BRANCH_CKPT:-.branch_ckpt}"
+  [[ ${MPS:-1} == 1 ]] && start_mps
+  # shellcheck disable=SC2086  # BRANCH_ARGS: flags, split on purpose
+  timeout $((budget + 20)) python3 examples/branched_ab.py --state-dir "${BRANCH_CKPT:-.branch_ckpt}" \
+    --workers "${BRANCH_WORKERS:-10}" --threads 1 --time-budget "$budget" --out "$LOGS/branch" ${BRANCH_ARGS:-} \
+    > "$LOGS/branch.log" 2>&1
+  rc=$?
+  stop_mps
+  echo "--- branch: exit $rc"
+  grep -v -i warn "$LOGS/branch.log" | tail -n 60
+  return $rc
+}
 conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each seed's arms in processes of their own
   local budget=$((DEADLINE - SECONDS - 60)) pids=() rc=0 seed
   (( budget < 120 )) && { echo "=== convergence: skipped, out of time"; return 1; }
@@ -77,14 +104,7 @@ conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each 
   twice=$(printf '%s\n' "${CONV_SEEDS_A[@]%%:*}" | sort | uniq -d | tr '\n' ' ')
   [[ -n $twice ]] && { echo "=== convergence: seeds ${twice}given twice in CONV_SEEDS"; return 1; }
   echo "=== convergence: seeds ${CONV_SEEDS_A[*]}, ${CONV_STEPS:-3000} steps, time budget $budget s"
-  # MPS=1: the processes share the GPU through MPS instead of time slices;
-  # a private pipe directory keeps the other steps' processes off it; the EXIT trap stops it
-  if [[ ${MPS:-0} == 1 ]]; then
-    export CUDA_MPS_PIPE_DIRECTORY=$LOGS/../mps_pipe CUDA_MPS_LOG_DIRECTORY=$LOGS/../mps_log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d; then echo "MPS daemon started"
-    else echo "MPS=1: no MPS daemon (nvidia-cuda-mps-control missing or failed): time slices"; fi
-  fi
+  [[ ${MPS:-0} == 1 ]] && start_mps
   local entry arms dirs=()
   for entry in "${CONV_SEEDS_A[@]}"; do  # arms that do not fit the budget are skipped or truncated, and say so
     seed=${entry%%:*} arms=()
@@ -109,6 +129,7 @@ if [[ $mode == *,multi,* ]] && (( NGPU > 1 )); then
   step bench_multi 300 torchrun --standalone --nproc-per-node "$NGPU" -m fp8a2a.bench --quiet \
     --out "$LOGS/multi" --json "$LOGS/multi/alltoall_ep$NGPU.json"
 fi
+[[ $mode == *,branch,* ]] && { branch || FAILED+=" branch"; }
 conv_pid=
 if [[ $mode == *,conv,* ]]; then
   if (( NGPU > 1 )); then (export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); conv) & conv_pid=$!

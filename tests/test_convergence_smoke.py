@@ -253,7 +253,7 @@ def test_megatron_merge_t_interval(tmp_path):
     assert C["meets_targets"] is False
     assert "D" not in m["arms"] and m["verdict"] == "targets NOT met"
     assert all(v for k, v in m["requirements"].items() if isinstance(v, bool)), m["requirements"]
-    assert m["requirements"]["seeds_per_arm"] == dict(B=5, C=5, D=0, E=0, noise=5)
+    assert m["requirements"]["seeds_per_arm"] == dict(B=5, C=5, D=0, E=0, F=0, G=0, H=0, noise=5, rerun=0)
     assert m["requirements"]["truncated_runs"] == 0 and m["requirements"]["replaced_runs"] == 1  # seed 3's C
     text = (out / "convergence_summary.txt").read_text()
     assert "+0.050%" in text and "[-0.089%, +0.189%]" in text
