@@ -7,6 +7,12 @@
 #   bash scripts/gpu_session.sh dispatch  (benchmarks/bench_dispatch.py: dispatch + combine against Megatron)
 #   bash scripts/gpu_session.sh small     (benchmarks/bench_small_model.py: a small GPT-MoE, eager and graphed)
 #   bash scripts/gpu_session.sh model     (the scale model from this session's kernel and dispatch JSON)
+#   bash scripts/gpu_session.sh training  (Megatron's own training loop: tests/gpu/test_megatron_training.py, then
+#                                          benchmarks/bench_megatron_training.py: TRAINING_RUNS (default 3) rounds of
+#                                          TRAINING_CONFIGS (default all six), TRAINING_ITERS measured iterations
+#                                          (default 50) after 10 of warm-up; TRAINING_ARGS adds Megatron flags; the
+#                                          script is .mlm/pretrain_gpt.py when carried, else the test's mock one, or
+#                                          TRAINING_SCRIPT; SKIP=megatron_training_test runs the benchmark alone)
 #   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL suite and the all-to-all sweep on all of them)
 #   bash scripts/gpu_session.sh conv      (examples/convergence_megatron.py: seeds $CONV_SEEDS (default "1 2") at
 #                                          once, CONV_JOBS processes each, CONV_STEPS steps; on a machine of several
@@ -163,6 +169,16 @@ if has dispatch; then  # the variant groups in processes of their own (bench_dis
   done
   (( ${#parts[@]} )) && step bench_dispatch 30 python3 benchmarks/bench_dispatch.py --merge "${parts[@]}" \
     --json "$LOGS/dispatch.json"
+fi
+if [[ $mode == *,training,* ]]; then
+  step megatron_training_test 200 python3 -m pytest -q -rs tests/gpu/test_megatron_training.py -m gpu
+  targs=(--runs "${TRAINING_RUNS:-3}" --iters "${TRAINING_ITERS:-50}" --json "$LOGS/megatron_training.json"
+         --md "$LOGS/megatron_training.md" --time-budget $((DEADLINE - SECONDS - 15)))
+  [[ -n ${TRAINING_CONFIGS:-} ]] && targs+=(--configs "$TRAINING_CONFIGS")
+  [[ -n ${TRAINING_ARGS:-} ]] && targs+=("--args=$TRAINING_ARGS")
+  [[ -n ${TRAINING_SCRIPT:-} ]] && targs+=(--script "$TRAINING_SCRIPT")
+  TAIL=30 step bench_megatron_training $((DEADLINE - SECONDS - 5)) python3 benchmarks/bench_megatron_training.py \
+    "${targs[@]}"
 fi
 has small && step bench_small_model 150 python3 benchmarks/bench_small_model.py --json "$LOGS/small_model.json"
 if has model; then

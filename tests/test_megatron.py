@@ -837,3 +837,20 @@ def test_launcher_refuses_a_missing_script(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such script" in err
     assert not fm.options._registered  # nothing registered or run
+
+
+def test_launcher_skips_the_compile_step_of_a_prebuilt_wheel(tmp_path):
+    """megatron.training's initialize calls compile_helpers (`make` in megatron/core/datasets): the
+    wheels ship the helper built and no Makefile, so under the launcher the step is skipped."""
+    import importlib.util
+    helper = importlib.util.find_spec("megatron.core.datasets.helpers_cpp")
+    if helper is None or os.path.exists(os.path.join(os.path.dirname(helper.origin), "Makefile")):
+        pytest.skip("this megatron-core has no prebuilt dataset helper, or has its Makefile")
+    from .programs import run
+    script = tmp_path / "init.py"
+    script.write_text("from megatron.core.datasets.utils import compile_helpers\n"
+                      "compile_helpers()  # as megatron.training's initialize does\n"
+                      "print('past compile_helpers')\n")
+    r = run("-m", "fp8a2a.megatron.run", script, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and "past compile_helpers" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "skipping Megatron's compile step" in r.stderr
