@@ -26,10 +26,7 @@ from fp8a2a.kernels import quantize_rows
 HIDDEN, FFN = 7168, 2048
 LOADS = {"ep32": (8, 4096), "ep8": (32, 1024)}  # DeepSeek-V3, 4096 tokens x top-8 per rank
 FWD_TILES = [(128, 256, 128, 8, 4), (128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (256, 128, 128, 8, 3)]
-WGRAD_TILES = [(128, 128, 8, 8, 4, False, False, False), (128, 128, 8, 8, 4, False, False, True),
-               (128, 128, 8, 8, 3, False, False, True), (128, 256, 8, 8, 3, False, False, True),
-               (64, 256, 8, 4, 4, False, False, True), (128, 128, 4, 8, 4, False, False, False),
-               (128, 128, 16, 8, 4, False, False, False), (128, 256, 8, 8, 3, False, True, False)]
+WGRAD_TILES = [(128, 128, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 4, 8, 3), (128, 256, 8, 8, 3)]
 
 
 def ms(fn):

@@ -257,16 +257,14 @@ def grouped_wgrad(g, x, offs, sx=None, out_dtype=torch.bfloat16):
     return out
 
 
-# BM, BN, GROUP_M, warps, stages, scales through TMA, warp-specialized loop of grouped_wgrad_fp8
-# (BENCHMARKS.md, Expert GEMMs)
-WGRAD_FP8_TILE = (128, 128, 8, 8, 4, False, False, False)
+# BM, BN, GROUP_M, warps, stages of grouped_wgrad_fp8: the fastest measured at DeepSeek-V3's expert
+# shapes (BENCHMARKS.md, Expert GEMMs)
+WGRAD_FP8_TILE = (128, 128, 8, 8, 3)
 
 
 @triton.jit
-def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, sa_ptr, sb_ptr, poffs_ptr, out_ptr, NA, NB, E,
-                              s_sa, s_sb, s_oe, s_om, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                              GROUP_M: tl.constexpr, SCALE_TMA: tl.constexpr, WS: tl.constexpr,
-                              LAG: tl.constexpr):
+def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_ptr, sb_ptr, poffs_ptr, out_ptr, NA, NB, E, s_sa, s_sb, s_oe, s_om,
+                              BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(NA, BM)
     num_n = tl.cdiv(NB, BN)
@@ -283,32 +281,21 @@ def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_desc, sb_desc, sa_ptr, sb_ptr, 
     m_ok = rm < NA
     n_ok = rn < NB
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if LAG:  # scale the previous step's product while this step's MMA runs
-        prev = tl.zeros([BM, BN], dtype=tl.float32)
-        sa_prev = tl.zeros([BM], dtype=tl.float32)
-        sb_prev = tl.zeros([BN], dtype=tl.float32)
-        for k0 in range(pstart, pend, BK):
-            a = a_desc.load([m0, k0])
-            b = b_desc.load([n0, k0])
-            kb = k0 // BK
-            sa = tl.load(sa_ptr + kb.to(tl.int64) * s_sa + rm, mask=m_ok, other=0.0)
-            sb = tl.load(sb_ptr + kb.to(tl.int64) * s_sb + rn, mask=n_ok, other=0.0)
-            d = tl.dot(a, b.T)
-            acc += prev * (sa_prev[:, None] * sb_prev[None, :])
-            prev, sa_prev, sb_prev = d, sa, sb
+    # Each step's product is scaled one step late, while the next step's MMA runs: scaling it at
+    # once makes every step wait for its MMA (measured slower). An expert without rows: zeros.
+    prev = tl.zeros([BM, BN], dtype=tl.float32)
+    sa_prev = tl.zeros([BM], dtype=tl.float32)
+    sb_prev = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(pstart, pend, BK):
+        a = a_desc.load([m0, k0])
+        b = b_desc.load([n0, k0])
+        kb = (k0 // BK).to(tl.int64)
+        sa = tl.load(sa_ptr + kb * s_sa + rm, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + kb * s_sb + rn, mask=n_ok, other=0.0)
+        d = tl.dot(a, b.T)
         acc += prev * (sa_prev[:, None] * sb_prev[None, :])
-    else:
-        for k0 in tl.range(pstart, pend, BK, warp_specialize=WS):  # an expert without rows: zeros
-            a = a_desc.load([m0, k0])
-            b = b_desc.load([n0, k0])
-            kb = k0 // BK
-            if SCALE_TMA:  # pipelined with the operands
-                sa = tl.reshape(sa_desc.load([kb, m0]), [BM])
-                sb = tl.reshape(sb_desc.load([kb, n0]), [BN])
-            else:
-                sa = tl.load(sa_ptr + kb.to(tl.int64) * s_sa + rm, mask=m_ok, other=0.0)
-                sb = tl.load(sb_ptr + kb.to(tl.int64) * s_sb + rn, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        prev, sa_prev, sb_prev = d, sa, sb
+    acc += prev * (sa_prev[:, None] * sb_prev[None, :])
     o = out_ptr + e.to(tl.int64) * s_oe + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -322,19 +309,17 @@ def wgrad_fp8_ok(device) -> bool:
 def grouped_wgrad_fp8(a, sa, b, sb, pad_offs, out_dtype=torch.bfloat16, tile=None):
     """out [E, NA, NB] = per expert e: sum over its 128-token blocks k of
     (sa[k] * a[:, k]) @ (sb[k] * b[:, k])^T; a [NA, mpad] and b [NB, mpad] e4m3 with scales
-    sa [mpad/128, NA], sb [mpad/128, NB] (triton_kernels.block_col_quant_t: rows 16-byte aligned),
-    expert e's tokens in columns pad_offs[e-1]:pad_offs[e] (multiples of 128). One tile
-    (WGRAD_FP8_TILE, or `tile`)."""
+    sa [mpad/128, NA], sb [mpad/128, NB] (triton_kernels.block_col_quant_t), expert e's tokens in
+    columns pad_offs[e-1]:pad_offs[e] (multiples of 128). One tile (WGRAD_FP8_TILE, or `tile`)."""
     (NA, _), NB, E = a.shape, b.shape[0], pad_offs.shape[0]
     out = torch.empty((E, NA, NB), device=a.device, dtype=out_dtype)
     if E == 0 or NA == 0 or NB == 0:
         return out
-    BM, BN, group_m, warps, stages, scale_tma, ws, lag = tile or WGRAD_FP8_TILE
+    BM, BN, group_m, warps, stages = tile or WGRAD_FP8_TILE
     BK = wire.BLOCK
     grid = (E * triton.cdiv(NA, BM) * triton.cdiv(NB, BN),)
-    desc = TensorDescriptor.from_tensor
-    _grouped_wgrad_fp8_kernel[grid](desc(a, [BM, BK]), desc(b, [BN, BK]), desc(sa, [1, BM]), desc(sb, [1, BN]),
+    _grouped_wgrad_fp8_kernel[grid](TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(b, [BN, BK]),
                                     sa, sb, pad_offs, out, NA, NB, E, sa.stride(0), sb.stride(0),
                                     out.stride(0), out.stride(1), BK=BK, BM=BM, BN=BN, GROUP_M=group_m,
-                                    SCALE_TMA=scale_tma, WS=ws, LAG=lag, num_warps=warps, num_stages=stages)
+                                    num_warps=warps, num_stages=stages)
     return out

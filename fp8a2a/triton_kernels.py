@@ -181,15 +181,14 @@ def _block_col_quant_t_kernel(x_ptr, sx_ptr, offs_ptr, poffs_ptr, q_ptr, s_ptr, 
 
 
 def block_col_quant_t(x, offs, pad_offs, mpad, sx=None):
-    """(data e4m3 [C, mpad], scale f32 [mpad / 128, C], rows 16-byte aligned) of x [M, C] (bf16 / fp32, or e4m3 times sx:
+    """(data e4m3 [C, mpad], scale f32 [mpad / 128, C]) of x [M, C] (bf16 / fp32, or e4m3 times sx:
     [M] row scales, any strides, or [M, C/128] block scales) quantized per 128 rows of a group and
     column by the package rule, transposed: experts._block_col_quant_t's layout and bytes. Columns
     past pad_offs[-1] are left unwritten."""
     M, C = x.shape
     G = offs.shape[0]
     data = torch.empty((C, mpad), device=x.device, dtype=torch.float8_e4m3fn)
-    # rows of 16 bytes (TMA reads the scales): [nb, C] inside [nb, C rounded up to 4]
-    scale = torch.empty((mpad // wire.BLOCK, (C + 3) // 4 * 4), device=x.device, dtype=torch.float32)[:, :C]
+    scale = torch.empty((mpad // wire.BLOCK, C), device=x.device, dtype=torch.float32)
     if G == 0 or C == 0 or mpad == 0:
         return data, scale
     x_scale = 0 if sx is None else (2 if sx.dim() == 2 else 1)

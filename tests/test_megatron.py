@@ -134,8 +134,9 @@ if HAVE_FP8_EXPERTS:
     # + 2 per FP8 wgrad (both operands per column): dW1 5 + 2
     CASES["fp8_experts_fp8_dgrad_wgrad"] = dict(fp8=True, tol=bound(4, 7, 5, 7), fp8_experts=True,
                                                 config=dict(fp8a2a_fp8_dgrad=True, fp8a2a_fp8_wgrad=True))
-    CASES["fp8_experts_pad_for_quantization"] = dict(fp8=True, tol=FP8_EXPERTS, fp8_experts=True,
-                                                     after=PAD)  # not padded
+    # not padded; config.fp8 set: the FP8 dgrad by default (options.recipe_gradients)
+    CASES["fp8_experts_pad_for_quantization"] = dict(fp8=True, tol=bound(4, 7, 5, 5), fp8_experts=True,
+                                                     after=PAD)
 
 
 def inputs(c, rank):
@@ -171,7 +172,8 @@ def layer_scenario(rank, world, case):
         assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher)
         if c.get("fp8_experts", False):
             impl = mine.experts._fp8a2a_impl
-            assert (impl.fp8_dgrad, impl.fp8_wgrad) == (over.get("fp8a2a_fp8_dgrad", False),
+            recipe = bool(c.get("after", {}).get("fp8"))  # a TE FP8 recipe: the FP8 dgrad by default
+            assert (impl.fp8_dgrad, impl.fp8_wgrad) == (over.get("fp8a2a_fp8_dgrad", recipe),
                                                         over.get("fp8a2a_fp8_wgrad", False))
         assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL
         assert mine.token_dispatcher.deliver_fp8 == c.get("fp8_experts", False)
@@ -526,6 +528,14 @@ def test_command_line_flags():
             opts.capacity_mode) == ("block128", True, 0, "auto")
     assert (opts.experts.fp8_dgrad, opts.experts.fp8_wgrad) == (True, False)
     assert fm.resolve(p.parse_args(["--fp8a2a-fp8-wgrad"])).experts.fp8_wgrad
+    # under a TE FP8 recipe the input gradient follows it (FP8), the weight gradient stays BF16;
+    # flags override both ways
+    te = p.parse_args([])
+    te.fp8 = "e4m3"
+    assert (fm.resolve(te).experts.fp8_dgrad, fm.resolve(te).experts.fp8_wgrad) == (True, False)
+    off = p.parse_args(["--no-fp8a2a-fp8-dgrad", "--fp8a2a-fp8-wgrad"])
+    off.fp8 = "e4m3"
+    assert (fm.resolve(off).experts.fp8_dgrad, fm.resolve(off).experts.fp8_wgrad) == (False, True)
     defaults = p.parse_args([])
     assert fm.resolve(defaults) == fm.Options()
     with pytest.raises(SystemExit):

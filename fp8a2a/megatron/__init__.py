@@ -54,6 +54,7 @@ the same for every fp8_alltoall layer, at build time.
 Launcher: `python -m fp8a2a.megatron.run SCRIPT.py ARGS...` (or under torchrun) calls register()
 and runs the script as `__main__` (fp8a2a/megatron/run.py).
 """
+import argparse
 import functools
 import importlib.abc
 import sys
@@ -112,10 +113,12 @@ def add_arguments(parser):
                    help="experts of every fp8_alltoall MoE layer: megatron (default): the layer spec's own, on "
                         "dequantized rows; fp8: fp8a2a's FP8 experts (as fp8_experts_spec) on the FP8 rows, "
                         "with Megatron's parameters and checkpoint layout")
-    g.add_argument("--fp8a2a-fp8-dgrad", action="store_true", default=None,
-                   help="FP8 experts (--fp8a2a-experts fp8): FP8 input-gradient GEMMs (default BF16)")
-    g.add_argument("--fp8a2a-fp8-wgrad", action="store_true", default=None,
-                   help="FP8 experts (--fp8a2a-experts fp8): FP8 weight-gradient GEMMs; lossy, default BF16")
+    g.add_argument("--fp8a2a-fp8-dgrad", action=argparse.BooleanOptionalAction, default=None,
+                   help="FP8 experts (--fp8a2a-experts fp8): FP8 input-gradient GEMMs (default: FP8 under a TE "
+                        "FP8 recipe (--fp8-format), else BF16)")
+    g.add_argument("--fp8a2a-fp8-wgrad", action=argparse.BooleanOptionalAction, default=None,
+                   help="FP8 experts (--fp8a2a-experts fp8): FP8 weight-gradient GEMMs, operands scaled per 128 "
+                        "tokens (default BF16: faster at the shapes measured)")
     return parser
 
 

@@ -51,7 +51,7 @@ EXPERT_IMPLS = ("megatron", "fp8")
 @dataclass(frozen=True)
 class ExpertOptions:
     """The experts' options: which experts (impl, option name `experts`) and the FP8 experts' own
-    (fp8a2a.FP8GroupedMLP's; default BF16 gradients)."""
+    (fp8a2a.FP8GroupedMLP's; resolve() sets the defaults: recipe_gradients)."""
     fp8_dgrad: bool = False
     fp8_wgrad: bool = False
     impl: str = "megatron"
@@ -135,6 +135,14 @@ def _recipe_granularity(config, fp8_experts: bool) -> str:
     return granularity
 
 
+def recipe_gradients(config) -> dict:
+    """The FP8 experts' gradient GEMMs of a run that set none: under a TE FP8 recipe (config.fp8) the
+    input gradient in FP8, as TE computes its own layers'; the weight gradient in BF16 under every
+    recipe, since the FP8 one is slower at the expert shapes measured (README: Numerics, which
+    precision where). Without a recipe, both BF16."""
+    return {"fp8_dgrad": bool(getattr(config, "fp8", None)), "fp8_wgrad": False}
+
+
 def _capacity_factor(config, mode: str) -> Optional[float]:
     """The Dispatcher's capacity factor (its capacity mode) under Megatron's capacity settings, or None."""
     factor = getattr(config, "moe_expert_capacity_factor", None)
@@ -147,6 +155,6 @@ def _capacity_factor(config, mode: str) -> Optional[float]:
 def resolve(config=None, fp8_experts: bool = False) -> Options:
     """The options of a layer built from `config` (a TransformerConfig or Megatron's args; None: the
     defaults alone) whose experts take FP8 rows or not (fp8_experts: the granularity default)."""
-    values = _given(config)
+    values = {**recipe_gradients(config), **_given(config)}
     values.setdefault("granularity", _recipe_granularity(config, fp8_experts))
     return _options(values, _capacity_factor(config, values.get("capacity_mode", "auto")))
