@@ -711,6 +711,58 @@ def test_fp8_experts_weights_made_once_per_optimizer_step():
     assert run_ranks(1, _fp8_experts_cache) == [True]
 
 
+def _fp8_experts_param_gather_hooks(rank, world):
+    """Megatron's overlapped param all-gather (overlap_param_gather): the parameters hold stale
+    values until a forward pre-hook of the module owning them (DDP's, on every module) waits for
+    the gather. Simulated: every expert parameter starts zeroed, its module's pre-hook writes the
+    gathered values through .data (no version bump, as NCCL) after an optimizer step. The FP8
+    experts must fire those hooks before reading (and caching) the weights: the output equals the
+    same layer built with the gathered weights, each hook fired once per forward, and a second
+    micro-batch after another such step follows again."""
+    init_parallel(world)
+    try:
+        torch.manual_seed(1)
+        cfg = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0)
+        layer = build(moe_spec(8, True), cfg)
+        torch.manual_seed(1)
+        ref = build(moe_spec(8, True), cfg)
+        x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
+        owners = [m for m in layer.experts.modules() if m is not layer.experts
+                  and next(m.parameters(recurse=False), None) is not None]
+        assert owners and all(p.dim() == 2 for m in owners for p in m.parameters(recurse=False))
+        gathered = {}
+        fired = []
+
+        def hook(module, *unused):  # DDP's signature: finish_param_sync of the module's own params
+            fired.append(module)
+            for p in module.parameters(recurse=False):
+                p.data.copy_(gathered[p])
+
+        for m in owners:
+            m.register_forward_pre_hook(hook)
+        ok = []
+        for step in range(2):
+            with torch.no_grad():
+                for p, q in zip(layer.experts.parameters(), ref.experts.parameters()):
+                    if step:
+                        q.mul_(-0.5)  # the new weights: the reference holds them at once
+                    gathered[p] = q.detach().clone()
+                    p.data.zero_()  # not gathered yet
+            torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0).step()  # the optimizer step
+            fired.clear()
+            y = layer(x.clone())[0]
+            want = ref(x.clone())[0]
+            ok.append((sorted(map(id, fired)) == sorted(map(id, owners)), torch.equal(y, want)))
+        return ok == [(True, True)] * 2 or ok
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+def test_fp8_experts_fire_param_gather_pre_hooks():
+    assert run_ranks(1, _fp8_experts_param_gather_hooks) == [True]
+
+
 @pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
 def test_fp8_experts_unsupported_configs():
     run_ranks(1, _fp8_experts_errors)

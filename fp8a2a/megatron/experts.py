@@ -8,7 +8,9 @@ stand-ins in its [E, out, in] layout: no per-forward stack. The GEMMs read the F
 parameters across micro-batches and rebuilt once they change (an optimizer step, an in-place
 write, invalidate_fp8_weight_cache()); each parameter gets its slice of the weight gradient, added
 into its main_grad in place under config.gradient_accumulation_fusion (as Megatron's and TE's
-linears do: no .grad; no APEX needed, since these experts never call Megatron's linears).
+linears do: no .grad; no APEX needed, since these experts never call Megatron's linears). Not
+calling those linears, the forward fires their forward pre-hooks itself (Megatron DDP's wait for an
+overlapped param all-gather, overlap_param_gather) before reading the weights.
 Under Megatron's local CUDA graphs the copies a graph reads are refreshed in place before each
 replay (check_cuda_graphs). fp8_dgrad / fp8_wgrad come from the fp8a2a options (--fp8a2a-fp8-dgrad, --fp8a2a-fp8-wgrad,
 config.fp8a2a_fp8_dgrad, ...; fp8a2a/megatron/options.py); with fp8_dgrad no BF16 stack is made. Supported: SwiGLU (gated
@@ -144,10 +146,37 @@ class _FP8ExpertsMixin:
             for w in self._fp8_weights():
                 refresh_graphed(w)
 
+    def _run_weight_pre_hooks(self):
+        """Fires the forward pre-hooks of the submodules that own the expert parameters
+        (linear_fc1 / linear_fc2, per expert for SequentialMLP), as calling them would: these
+        experts read their weights without calling those submodules. Megatron's DDP registers
+        such a hook on every module when it overlaps the param all-gather (distributed optimizer,
+        overlap_param_gather); it waits for the all-gather of the module's own parameters
+        (recurse=False), so without this the FP8 copies could be built from parameters not yet
+        gathered, and then cached for the whole step. Called with no inputs (DDP's hook takes
+        `module, *unused`); return values are ignored, as there is no call whose inputs they could
+        replace. Nothing to do, and no cost beyond a dict check, when no hook is registered."""
+        for m in self.__dict__.get("_fp8a2a_weight_modules") or self._weight_modules():
+            if not m._forward_pre_hooks:
+                continue
+            with_kwargs = getattr(m, "_forward_pre_hooks_with_kwargs", {})
+            for hook_id, hook in list(m._forward_pre_hooks.items()):
+                if hook_id in with_kwargs:
+                    hook(m, (), {})
+                else:
+                    hook(m, ())
+
+    def _weight_modules(self):
+        """The submodules (not self) that own expert parameters directly, in module order; cached."""
+        out = [m for m in self.modules() if m is not self and next(m.parameters(recurse=False), None) is not None]
+        self.__dict__["_fp8a2a_weight_modules"] = out
+        return out
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         x = permuted_local_hidden_states
         if not isinstance(x, QuantizedTensor) and x.dim() != 2:
             x = x.reshape(-1, x.shape[-1])
+        self._run_weight_pre_hooks()  # e.g. Megatron DDP's wait for the overlapped param all-gather
         w1, w2 = self._fp8_weights()
         y = torch.func.functional_call(self._fp8a2a_impl, {"fc1_weight": w1, "fc2_weight": w2},
                                        (x, tokens_per_expert, permuted_probs.reshape(-1)))
