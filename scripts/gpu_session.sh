@@ -132,8 +132,8 @@ conv() {  # issue 20: examples/convergence_megatron.py, the seeds at once, each 
 read -ra CONV_SEEDS_A <<< "${CONV_SEEDS:-1 2}"
 if [[ $mode == *,multi,* ]] && (( NGPU > 1 )); then
   step dispatch_nccl 180 torchrun --standalone --nproc-per-node "$NGPU" -m pytest -q tests/gpu/test_dispatch_nccl.py
-  step bench_multi 300 torchrun --standalone --nproc-per-node "$NGPU" -m fp8a2a.bench --quiet \
-    --out "$LOGS/multi" --json "$LOGS/multi/alltoall_ep$NGPU.json"
+  step bench_multi 600 torchrun --standalone --nproc-per-node "$NGPU" -m fp8a2a.bench --quiet \
+    --json "$LOGS/multi/alltoall_ep$NGPU.json"
 fi
 [[ $mode == *,branch,* ]] && { branch || FAILED+=" branch"; }
 conv_pid=
@@ -193,7 +193,7 @@ if [[ $mode == *,bench,* ]]; then
     step "bench_experts_$i" 180 python3 benchmarks/bench_experts.py --json "$LOGS/experts_$i.json"
     step "bench_moe_layer_$i" 240 python3 benchmarks/bench_moe_layer.py --json "$LOGS/moe_layer_$i.json"
   done
-  step bench_alltoall 240 python3 -m fp8a2a.bench --out "$LOGS" --json "$LOGS/alltoall.json"
+  step bench_alltoall 600 python3 -m fp8a2a.bench --json "$LOGS/alltoall.json"
 fi
 # EXTRA="cmd; cmd": one-off commands in this environment (TE, megatron-core, the build), logged as step `extra`
 [[ -n ${EXTRA:-} ]] && step extra "${EXTRA_S:-300}" bash -c "$EXTRA"

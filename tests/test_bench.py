@@ -176,24 +176,37 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path):
     text = run.stdout
     assert "FUNCTIONAL NUMBERS ONLY" in text and "bf16_below_bytes" in text and "summary" in text
     table = text.split("benchmark: world size")[1].split("variants:")[0].splitlines()[1:]
-    assert table[1].split()[:5] == ["series", "tokens", "msg/rank", "megatron", "fp8a2a-fp8"]
-    assert "dispatch ms" in table[0] and len(table) == 3 + 2 * len(tokens) and max(map(len, table)) <= 120
+    assert table[1].split() == ["series", "tokens", "msg/rank", "megatron", "fp8a2a-fp8", "train", "vs-bf16", "infer",
+                                "fp8/meg"]  # the training step first; inference in one column
+    assert "train step ms" in table[0] and len(table) == 3 + 2 * len(tokens) and max(map(len, table)) <= 120
     assert "busbw" not in table[1] and "not shown on a CPU" in text  # GPU figures stay off a CPU table
     for name in ("megatron", "fp8a2a-bf16", "fp8a2a-fp8"):  # the legend names every variant
         assert re.search(rf"^  {name} +\S", text, re.M), name
+    assert re.search(r"^train step \(the headline\): .*y\.backward\(dy\)", text, re.M)
+    assert re.search(r"^infer: inference, dispatch \+ combine forward only", text, re.M)
+    assert "training step: " in text and "inference (forward only; dispatch time): " in text  # both recommendations
 
     doc = json.loads(out.read_text())
     assert doc["functional_only"] is True and doc["meta"]["world"] == world
+    assert doc["meta"]["headline"] == "train" and doc["meta"]["modes"] == {
+        "train": ["dispatch", "combine", "backward"], "infer": ["dispatch", "combine"]}
     recs = doc["records"]
     assert [(r["series"], r["tokens"]) for r in recs] == [
         (f"H{H}-E{E}-K{K}-{g}", t) for g in ("row", "block128") for t in tokens]
     for r in recs:
         for v in report.VARIANTS:
-            assert r[f"{v}_dispatch_ms"] > 0 and r[f"{v}_total_ms"] >= r[f"{v}_dispatch_ms"]
-            assert r[f"{v}_dispatch_ms_p10"] <= r[f"{v}_dispatch_ms"] <= r[f"{v}_dispatch_ms_p90"]
-            assert r[f"{v}_busbw_GBps"] == pytest.approx(r[f"{v}_algbw_GBps"] * (world - 1) / world)
-            assert r[f"{v}_launches"] is None  # counted on CUDA only
-        assert r["speedup_total"] == pytest.approx(r["megatron_bf16_total_ms"] / r["fp8a2a_fp8_total_ms"])
+            assert f"{v}_error" not in r, r[f"{v}_error"]
+            for mode, phases in report.PHASES.items():  # every variant has a training row and an inference row
+                key = f"{v}_{mode}"
+                assert all(r[f"{key}_{ph}_ms"] > 0 for ph in phases), (key, r)
+                assert r[f"{key}_ms_min"] <= r[f"{key}_ms"] <= r[f"{key}_ms_max"]
+                assert r[f"{key}_dispatch_ms_p10"] <= r[f"{key}_dispatch_ms"] <= r[f"{key}_dispatch_ms_p90"]
+                assert r[f"{key}_busbw_GBps"] == pytest.approx(r[f"{key}_algbw_GBps"] * (world - 1) / world)
+                assert r[f"{key}_host_us"] > 0 and r[f"{key}_launches"] is None  # counted on CUDA only
+            assert f"{v}_infer_backward_ms" not in r  # inference runs no backward
+        assert r["speedup_train"] == pytest.approx(r["megatron_bf16_train_ms"] / r["fp8a2a_fp8_train_ms"])
+        assert r["speedup_train_vs_bf16_wire"] == pytest.approx(r["fp8a2a_bf16_train_ms"] / r["fp8a2a_fp8_train_ms"])
+        assert r["speedup_infer"] == pytest.approx(r["megatron_bf16_infer_ms"] / r["fp8a2a_fp8_infer_ms"])
         # exact wire bytes, averaged over the ranks
         T = r["tokens"]
         assert r["megatron_bf16_wire_bytes"] == T * K * (2 * H + 4) + E * 8 * world
@@ -210,13 +223,15 @@ def test_tiny_sweep_writes_json_csv_png(tmp_path):
             sum(rows) / world * ops.dispatch_row_bytes(2 * H, Granularity.RAW, K) + counts)
         assert r["wire_ratio_dispatch"] < 0.6
     an = doc["analysis"]
-    assert set(an["crossover_vs_bf16_wire"]) == {f"H{H}-E{E}-K{K}-row", f"H{H}-E{E}-K{K}-block128"}
-    assert "recommended_bytes" in an["recommendation"]
+    for part in (an, an["inference"]):  # the training step's crossovers, and inference's apart
+        assert set(part["crossover_vs_bf16_wire"]) == {f"H{H}-E{E}-K{K}-row", f"H{H}-E{E}-K{K}-block128"}
+        assert "recommended_bytes" in part["recommendation"]
 
     with open(tmp_path / "a2a.csv") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == report.CSV_COLUMNS and len(rows) == len(recs)
     assert float(rows[0]["megatron_bf16_wire_bytes"]) == recs[0]["megatron_bf16_wire_bytes"]
+    assert float(rows[0]["fp8a2a_fp8_train_backward_ms"]) == pytest.approx(recs[0]["fp8a2a_fp8_train_backward_ms"])
 
     png = tmp_path / "a2a.png"
     if importlib.util.find_spec("matplotlib") is None:
@@ -293,7 +308,7 @@ def test_help_documents_every_flag_with_its_defaults():
     for name in sweep.NAMED_SERIES:  # the series can be picked by name, and are listed
         assert re.search(rf"^  {name} +hidden", text, re.M), name
     flat = " ".join(text.split())  # argparse wraps the help at the terminal's width
-    assert all(s in flat for s in ("row, block128, tensor", "CPU 64,256,1024,2048", "(default 4)", "CPU 5, GPU 20"))
+    assert all(s in flat for s in ("row, block128, tensor", "CPU 64,512,2048", "(default 4)", "CPU 3, GPU 20"))
 
 
 def test_nothing_is_written_when_nothing_was_measured(tmp_path):
@@ -308,10 +323,13 @@ def test_nothing_is_written_when_nothing_was_measured(tmp_path):
 
 def _table_record(series, tokens, gpu):
     r = {"series": series, "tokens": tokens, "msg_bytes": tokens * 7168 * 2, "wire_ratio_dispatch": 0.337,
-         "speedup_dispatch": 2.5, "speedup_total": 1.75, "speedup_fp8_vs_bf16_wire_dispatch": 1.125}
+         "speedup_train": 2.5, "speedup_train_vs_bf16_wire": 1.75, "speedup_infer": 1.125, "speedup_infer_dispatch": 9.0}
     for v, ms in (("megatron_bf16", 12.3456), ("fp8a2a_bf16", 5.5), ("fp8a2a_fp8", 0.123456)):
-        r.update({f"{v}_dispatch_ms": ms, f"{v}_host_us": 1234.5678, f"{v}_busbw_GBps": 345.678,
-                  f"{v}_launches": 11 if gpu else None, f"{v}_syncs": 1 if gpu else None})
+        r.update({f"{v}_train_ms": ms, f"{v}_train_host_us": 1234.5678, f"{v}_train_busbw_GBps": 345.678,
+                  f"{v}_train_launches": 11 if gpu else None, f"{v}_train_syncs": 1 if gpu else None,
+                  # inference: in the table through its one speedup column only
+                  f"{v}_infer_ms": 99.0, f"{v}_infer_host_us": 9e6, f"{v}_infer_busbw_GBps": 9.0,
+                  f"{v}_infer_launches": 99 if gpu else None, f"{v}_infer_syncs": 9 if gpu else None})
     return r
 
 
@@ -321,7 +339,8 @@ def test_table_units_precision_and_gpu_columns(gpu):
     lines = report.format_table(recs, gpu=gpu).splitlines()
     assert max(map(len, lines)) <= 120 and len(lines) == 5
     groups, head, row = lines[0], lines[1], lines[3].split()
-    assert "dispatch ms" in groups and "speedup x" in groups and ("GPU" in groups) == gpu
+    assert "train step ms" in groups and "speedup x" in groups and ("GPU" in groups) == gpu
+    assert head.split()[5:8] == ["train", "vs-bf16", "infer"]
     assert row[:7] == ["deepseek-v3-b128", "128", "1.8", "MiB", "12.3", "0.123", "2.50"]  # 3 significant digits
     assert row[7:10] == ["1.75", "1.12", "0.337"]
     if gpu:
@@ -331,18 +350,54 @@ def test_table_units_precision_and_gpu_columns(gpu):
         assert len(row) == 10 and not {"busbw", "kernels", "syncs", "host"} & set(head.split())
     legend = report.table_legend({"functional_only": not gpu, "iters": 5})
     assert "median of 5" in legend and ("busbw" in legend) == gpu and "msg/rank: the BF16 input per rank" in legend
+    assert "train step (the headline)" in legend and "infer: inference" in legend
+    assert ("per training step" in legend) == gpu and max(map(len, legend.splitlines())) <= 120
 
 
 def test_speedup_bands_are_the_per_iteration_ratios():
-    rec = {f"{v}_{k}": None for v in report.VARIANTS for k in ("dispatch_ms", "total_ms")}
-    rec.update(megatron_bf16_dispatch_ms=4.0, megatron_bf16_total_ms=6.0, fp8a2a_fp8_dispatch_ms=2.0,
-               fp8a2a_fp8_total_ms=3.0, fp8a2a_bf16_dispatch_ms=3.0, fp8a2a_bf16_total_ms=5.0)
-    times = {"megatron_bf16": [(4.0, 2.0, 0), (6.0, 1.0, 0)], "fp8a2a_fp8": [(1.0, 1.0, 0), (3.0, 3.0, 0)],
-             "fp8a2a_bf16": [(3.0, 2.0, 0), (3.0, 2.0, 0)]}
+    rec = dict(megatron_bf16_infer_dispatch_ms=4.0, megatron_bf16_infer_ms=6.0, fp8a2a_fp8_infer_dispatch_ms=2.0,
+               fp8a2a_fp8_infer_ms=3.0, fp8a2a_bf16_infer_dispatch_ms=3.0, fp8a2a_bf16_infer_ms=5.0,
+               megatron_bf16_train_ms=12.0, fp8a2a_fp8_train_ms=4.0, fp8a2a_bf16_train_ms=6.0)
+    # rows: [ms of each phase..., host us]; the training step's phases: dispatch, combine, backward
+    times = {"megatron_bf16_infer": [[4.0, 2.0, 0], [6.0, 1.0, 0]], "fp8a2a_fp8_infer": [[1.0, 1.0, 0], [3.0, 3.0, 0]],
+             "fp8a2a_bf16_infer": [[3.0, 2.0, 0], [3.0, 2.0, 0]],
+             "megatron_bf16_train": [[1.0, 1.0, 10.0, 0], [2.0, 2.0, 8.0, 0]],
+             "fp8a2a_fp8_train": [[1.0, 1.0, 2.0, 0], [1.0, 1.0, 4.0, 0]],
+             "fp8a2a_bf16_train": [[1.0, 1.0, 4.0, 0], [1.0, 1.0, 7.0, 99]]}  # host us is no phase
     sweep._speedups(rec, times)
-    assert rec["speedup_dispatch"] == 2.0 and (rec["speedup_dispatch_min"], rec["speedup_dispatch_max"]) == (2.0, 4.0)
-    assert (rec["speedup_total_min"], rec["speedup_total_max"]) == (7 / 6, 3.0)
-    assert (rec["speedup_fp8_vs_bf16_wire_dispatch_min"], rec["speedup_fp8_vs_bf16_wire_dispatch_max"]) == (1.0, 3.0)
+    assert rec["speedup_train"] == 3.0 and (rec["speedup_train_min"], rec["speedup_train_max"]) == (2.0, 3.0)
+    assert (rec["speedup_train_vs_bf16_wire_min"], rec["speedup_train_vs_bf16_wire_max"]) == (1.5, 1.5)
+    assert rec["speedup_infer_dispatch"] == 2.0
+    assert (rec["speedup_infer_dispatch_min"], rec["speedup_infer_dispatch_max"]) == (2.0, 4.0)
+    assert rec["speedup_infer"] == 2.0 and (rec["speedup_infer_min"], rec["speedup_infer_max"]) == (7 / 6, 3.0)
+    assert (rec["speedup_infer_vs_bf16_wire_dispatch_min"], rec["speedup_infer_vs_bf16_wire_dispatch_max"]) == (1.0, 3.0)
+
+
+def _training_step_gradients(rank, world):
+    """Every side's training step runs its backward and, from the same inputs, computes the same
+    gradients of x and of the router weights (fp8a2a-fp8: within FP8 error); inference builds no graph."""
+    s = sweep.Series("t", 256, 8, 2)
+    variants = sweep.point_variants(s, 24, sweep.make_dispatchers(s), torch.device("cpu"), rank, seed=1)
+    idx = baseline.make_routing(24, 8, 2, "cpu", sweep.point_seed(1, rank, 24) + 1)[0]
+    grads = {}
+    for v in variants:
+        train, infer = v.steps["train"], v.steps["infer"]
+        assert [t.requires_grad for t in train.leaves] == [True, True] and infer.leaves == ()
+        for _ in range(2):  # the second step's gradients are its own, not accumulated onto the first's
+            train()
+        x, weights = train.leaves
+        dense = weights.grad.shape == (24, 8)  # Megatron's probs [T, E]; fp8a2a's topk weights [T, K]
+        grads[v.name] = (x.grad.float(), weights.grad.gather(1, idx) if dense else weights.grad)
+        assert not infer().requires_grad
+    assert all(g.norm() > 0 for g in grads["megatron_bf16"])
+    for name, tol in (("fp8a2a_bf16", 0.02), ("fp8a2a_fp8", 0.1)):
+        for got, want in zip(grads[name], grads["megatron_bf16"]):
+            assert (got - want).norm() <= tol * want.norm(), (name, rank, (got - want).norm() / want.norm())
+    return True
+
+
+def test_training_steps_compute_the_same_gradients():
+    assert all(run_ranks(2, _training_step_gradients))
 
 
 def test_series_skip_when_experts_do_not_split(tmp_path):
@@ -558,6 +613,23 @@ def test_model_link_bound_and_error_against_the_ep2_run(tmp_path):
     assert r["megatron_error"] == pytest.approx(r["megatron_predicted_ms"] / 4.0 - 1)
     text = bench_model.format_check(rows, str(path))
     assert "EP=2" in text and "mean |error|" in text and "at the largest (deepseek-v3, 4096 tokens)" in text
+
+
+def test_model_reads_the_sweeps_inference_rows_and_older_records_alike(tmp_path):
+    """The model projects the forward: from a sweep's records it reads the inference rows (never the
+    training step's), and records of older code, which timed the forward only, under their old keys."""
+    old = _alltoall_doc()
+    new = json.loads(json.dumps(old))
+    for r in new["records"]:
+        for v in ("megatron_bf16", "fp8a2a_fp8"):
+            r[f"{v}_infer_dispatch_ms"], r[f"{v}_infer_ms"] = r.pop(f"{v}_dispatch_ms"), r.pop(f"{v}_total_ms")
+            r[f"{v}_train_dispatch_ms"], r[f"{v}_train_ms"] = 1e3, 1e4  # must not be read
+    assert bench_model.link_from_alltoall(new) == bench_model.link_from_alltoall(old)
+    paths = [tmp_path / "old.json", tmp_path / "new.json"]
+    for path, doc in zip(paths, (old, new)):
+        path.write_text(json.dumps(doc))
+    p = bench_model.Params()
+    assert bench_model.check_against(p, str(paths[1])) == bench_model.check_against(p, str(paths[0]))
 
 
 def test_model_command_labels_every_input_and_reports_its_error(tmp_path):

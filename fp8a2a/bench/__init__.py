@@ -5,7 +5,9 @@
     python -m fp8a2a.bench --model                      # scale model, EP 8..1024 (no sweep)
 
 For each point of the sweep (tokens per rank x hidden x experts x top-k x granularity) it times,
-in the same run and in alternating order, three ways of moving the tokens:
+in the same run and in alternating order, three ways of moving the tokens, each as a training step
+(the headline: dispatch + combine forward and backward, x and the router weights requiring grad)
+and as inference (dispatch + combine forward only, nothing requiring grad):
 
   megatron       the BF16 baseline as megatron-core's `alltoall` dispatcher does it (unfused
                  path, no TP, dropless): count all-gather, host sync, permute (one copy per
@@ -15,15 +17,22 @@ in the same run and in alternating order, three ways of moving the tokens:
                  one row per token and destination rank, one all_to_all_single.
   fp8a2a-fp8     fp8a2a.Dispatcher forced to FP8 (bf16_below_bytes=0).
 
-Experts are the identity (the combine input is the dispatched rows' shape in BF16) and router
-weights are left to the experts on both sides, as Megatron does. It reports median and p10/p90
-time (per iteration, the slowest rank), algorithm and bus bandwidth as nccl-tests defines them
-for alltoall (algbw = bytes a rank sends / time, busbw = algbw * (n-1)/n), the exact wire bytes,
-the speedups, host time per call, and per call the kernels and host syncs (CUDA, torch.profiler
-events: fp8a2a.bench.costs). It writes a table, JSON, CSV and a PNG of speedup against message
-size, finds the crossover below which fp8a2a-bf16 wins and recommends `bf16_below_bytes`. Without a
-GPU the numbers are functional only. (In the JSON and CSV the variants are megatron_bf16, fp8a2a_bf16
-and fp8a2a_fp8.)
+Experts are the identity. Training step: the same inputs on every side (each its own leaves), the
+router weights applied where each side applies them (Megatron's experts multiply each row by its
+prob; fp8a2a's combine applies them to the dequantized rows), then y.backward(dy) with one fixed dy;
+the gradients are reset before each step, outside the timed region, and the backward is inside it.
+Inference: a tensor of the dispatched rows' shape goes to combine, the router weights left to the
+experts on both sides, as Megatron does. Every call runs between the same rank alignment and device
+sync. It reports median and p10/p90 time (per iteration, the slowest rank) of each call and its
+phases (dispatch, combine, and the training step's backward), algorithm and bus bandwidth as
+nccl-tests defines them for alltoall (algbw = bytes a rank sends / dispatch time, busbw = algbw *
+(n-1)/n), the exact wire bytes of the forward, the speedups, host time per call, and per call the
+kernels and host syncs (CUDA, torch.profiler events: fp8a2a.bench.costs). It writes a table (the
+training step, with inference's speedup in one column), JSON, CSV and a PNG of speedup against
+message size, finds the crossover below which fp8a2a-bf16 wins and recommends `bf16_below_bytes`
+(for the training step; inference's apart). Without a GPU the numbers are functional only. (In the
+JSON and CSV the variants are megatron_bf16, fp8a2a_bf16 and fp8a2a_fp8, the modes train and infer:
+fp8a2a_fp8_train_ms, fp8a2a_fp8_infer_dispatch_ms, ...; see fp8a2a.bench.report.)
 """
 # The parts, imported one way (nothing imports cli):
 #   cli       the command line (__main__ runs it): the sweep, or --model

@@ -94,7 +94,9 @@ def _series_epilog():
             + "\n".join(rows) + "\n\nvariants timed at every point:\n"
             "  megatron      megatron-core's `alltoall` dispatcher path, BF16 (the baseline)\n"
             "  fp8a2a-bf16   fp8a2a.Dispatcher sending BF16 rows (what bf16_below_bytes falls back to)\n"
-            "  fp8a2a-fp8    fp8a2a.Dispatcher sending FP8 rows\n\n"
+            "  fp8a2a-fp8    fp8a2a.Dispatcher sending FP8 rows\n"
+            "each timed as a training step (the headline: dispatch + combine forward and backward, x and\n"
+            "the router weights requiring grad) and as inference (forward only: the table's infer column)\n\n"
             "outputs: a table on stdout; JSON, CSV and a PNG in --out (existing ones need --force).")
 
 
@@ -121,7 +123,8 @@ def make_parser():
                    help=f"timed iterations per point, >= 1 (default: CPU {default_iters(False)[0]}, "
                         f"GPU {default_iters(True)[0]})")
     s.add_argument("--warmup", type=_int(0), metavar="N",
-                   help=f"untimed iterations before them, >= 0 (default: CPU {default_iters(False)[1]}, "
+                   help=f"untimed iterations before them, after one untimed call of each variant, >= 0 (default: "
+                        f"CPU {default_iters(False)[1]}, "
                         f"GPU {default_iters(True)[1]})")
     s.add_argument("--world", type=_int(1), metavar="N",
                    help="CPU only: gloo ranks to spawn, >= 1 (default 4); a series whose experts it does not "

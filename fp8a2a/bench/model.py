@@ -282,6 +282,14 @@ def from_dispatch_json(params: Params, path: str) -> Params:
 A2A_VARIANTS = ("megatron_bf16", "fp8a2a_bf16", "fp8a2a_fp8")
 
 
+def _forward_ms(r, v, what):
+    """A sweep record's inference (forward-only) time of variant v: its dispatch ("dispatch") or
+    dispatch + combine (None), what this model projects; records of older code (before the training
+    step was timed) timed only the forward, under keys without the mode."""
+    key = f"{v}_infer_dispatch_ms" if what == "dispatch" else f"{v}_infer_ms"
+    return r.get(key, r.get(f"{v}_dispatch_ms" if what == "dispatch" else f"{v}_total_ms"))
+
+
 def link_from_alltoall(doc) -> Optional[dict]:
     """What an EP=n run of this benchmark says about the link: the highest rate seen, bytes crossing
     the link ((n-1)/n of what a rank sends) / dispatch time, at its largest messages: a lower bound,
@@ -293,7 +301,7 @@ def link_from_alltoall(doc) -> Optional[dict]:
     best, pairs, grew = None, 0, 0
     for r in recs:
         for v in A2A_VARIANTS:
-            b, t = r.get(f"{v}_wire_bytes"), r.get(f"{v}_dispatch_ms")
+            b, t = r.get(f"{v}_wire_bytes"), _forward_ms(r, v, "dispatch")
             if b and t:
                 gbps = b * (n - 1) / n / (t / 1e3) / 1e9
                 if best is None or gbps > best["gbps"]:
@@ -301,7 +309,7 @@ def link_from_alltoall(doc) -> Optional[dict]:
     for s in {r["series"] for r in recs}:
         rs = sorted((r for r in recs if r["series"] == s), key=lambda r: r["tokens"])
         for v in A2A_VARIANTS:
-            lo, hi = rs[0].get(f"{v}_dispatch_ms"), rs[-1].get(f"{v}_dispatch_ms")
+            lo, hi = _forward_ms(rs[0], v, "dispatch"), _forward_ms(rs[-1], v, "dispatch")
             if lo is not None and hi is not None and len(rs) > 1:
                 pairs, grew = pairs + 1, grew + (hi > lo)
     return best and dict(best, world=n, pairs=pairs, grew=grew)
@@ -338,8 +346,8 @@ def check_against(params: Params, path: str) -> List[dict]:
                     gpus_per_node=max(params.gpus_per_node, n))
         pr = project(P, [n])[0]
         row = {"series": r["series"], "tokens": r["tokens"], "ep": n, "msg_bytes": r.get("msg_bytes") or 0}
-        for side, meas in (("megatron", "megatron_bf16_total_ms"), ("fp8a2a", "fp8a2a_fp8_total_ms")):
-            m, p = r.get(meas), pr[f"dispatch_ms_{side}"] + pr[f"combine_ms_{side}"]
+        for side, v in (("megatron", "megatron_bf16"), ("fp8a2a", "fp8a2a_fp8")):
+            m, p = _forward_ms(r, v, None), pr[f"dispatch_ms_{side}"] + pr[f"combine_ms_{side}"]
             row.update({f"{side}_measured_ms": m, f"{side}_predicted_ms": p,
                         f"{side}_error": None if not m else p / m - 1})
         out.append(row)
@@ -350,7 +358,7 @@ def format_check(rows: List[dict], path: str) -> str:
     if not rows:
         return f"model check: no row-granularity points in {path}"
     out = [f"model check against the largest multi-GPU measurement here: {path} (EP={rows[0]['ep']}), "
-           "dispatch + combine ms, predicted by this model vs measured",
+           "dispatch + combine ms (forward: the inference rows), predicted by this model vs measured",
            f"{'series':<16}{'T':>6} | {'Megatron meas':>13}{'pred':>7}{'err':>7} | {'fp8a2a meas':>11}{'pred':>7}"
            f"{'err':>7}"]
     for r in rows:

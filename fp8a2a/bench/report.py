@@ -1,6 +1,12 @@
 """The all-to-all benchmark's statistics and outputs: percentiles, nccl-tests bandwidths, the
 FP8/BF16 crossover and the bf16_below_bytes it recommends; the table, JSON, CSV and PNG writers.
-Pure functions of the records the sweep produces (no process group, no device)."""
+Pure functions of the records the sweep produces (no process group, no device).
+
+A record holds, per variant v and mode m (MODES: "train", the training step and the headline;
+"infer", inference, the forward alone), `{v}_{m}_ms` (the whole call) and `{v}_{m}_{phase}_ms`
+(PHASES[m]), each with _p10/_p90/_min/_max, `{v}_{m}_host_us`, `{v}_{m}_algbw_GBps`/`_busbw_GBps`
+(of that mode's dispatch phase) and the GPU counts `{v}_{m}_launches`/`_copies`/`_syncs`/`_d2h`;
+`{v}_wire_bytes`/`{v}_combine_wire_bytes` (the forward's); and the SPEEDUP_KEYS."""
 import csv
 import json
 import math
@@ -18,7 +24,14 @@ NAMES = {"megatron_bf16": "megatron", "fp8a2a_bf16": "fp8a2a-bf16", "fp8a2a_fp8"
 LEGEND = ("megatron     megatron-core's `alltoall` dispatcher path in BF16 (the baseline)",
           "fp8a2a-bf16  fp8a2a.Dispatcher sending BF16 rows (what bf16_below_bytes falls back to)",
           "fp8a2a-fp8   fp8a2a.Dispatcher sending FP8 rows")
-SPEEDUP_KEYS = ("speedup_dispatch", "speedup_total", "speedup_fp8_vs_bf16_wire_dispatch")
+MODES = ("train", "infer")  # the training step (the headline), then inference (forward only)
+PHASES = {"train": ("dispatch", "combine", "backward"), "infer": ("dispatch", "combine")}
+SPEEDUP_KEYS = ("speedup_train", "speedup_train_vs_bf16_wire", "speedup_infer", "speedup_infer_dispatch",
+                "speedup_infer_vs_bf16_wire_dispatch")
+# the plot's panels, headline first
+PLOT_TITLES = {"speedup_train": "training step (fwd + bwd): megatron / fp8a2a-fp8",
+               "speedup_train_vs_bf16_wire": "training step (fwd + bwd): fp8a2a-bf16 / fp8a2a-fp8",
+               "speedup_infer": "inference (fwd only), dispatch + combine: megatron / fp8a2a-fp8"}
 
 # ------------------------------------------------------------------------------------------
 # statistics, bandwidth, crossover (pure functions: tested on synthetic data)
@@ -122,24 +135,29 @@ def fmt_bytes(n) -> str:
 
 def analyse(records, default=DEFAULT_BF16_BELOW_BYTES):
     """Crossovers per series (FP8 vs the BF16 wire of the same dispatcher, which is what
-    bf16_below_bytes falls back to, and FP8 vs the Megatron baseline) and the threshold."""
-    by = {}
-    for r in records:
-        by.setdefault(r["series"], []).append(r)
-    vs_wire, vs_mega = {}, {}
-    for name, rs in by.items():
-        sizes = [r["msg_bytes"] for r in rs]
-        vs_wire[name] = find_crossover(sizes, [r.get("speedup_fp8_vs_bf16_wire_dispatch") for r in rs])
-        vs_mega[name] = find_crossover(sizes, [r.get("speedup_total") for r in rs])
-    return {"crossover_vs_bf16_wire": vs_wire, "crossover_vs_megatron": vs_mega,
-            "recommendation": recommend_threshold(vs_wire, default)}
+    bf16_below_bytes falls back to, and FP8 vs the Megatron baseline) and the threshold, of the
+    training step (the headline: the whole step, whose dispatch forward and combine backward follow
+    the format); under "inference", of the forward alone (the dispatch against the BF16 wire,
+    dispatch + combine against Megatron)."""
+    def crossovers(wire_key, mega_key):
+        vs_wire, vs_mega = {}, {}
+        for name, rs in _by_series(records).items():
+            sizes = [r["msg_bytes"] for r in rs]
+            vs_wire[name] = find_crossover(sizes, [r.get(wire_key) for r in rs])
+            vs_mega[name] = find_crossover(sizes, [r.get(mega_key) for r in rs])
+        return {"crossover_vs_bf16_wire": vs_wire, "crossover_vs_megatron": vs_mega,
+                "recommendation": recommend_threshold(vs_wire, default)}
+    out = crossovers("speedup_train_vs_bf16_wire", "speedup_train")
+    out["inference"] = crossovers("speedup_infer_vs_bf16_wire_dispatch", "speedup_infer")
+    return out
 
 
+_CSV_STEP = ("ms", "ms_p10", "ms_p90", "ms_min", "ms_max")
 CSV_COLUMNS = ["series", "hidden", "experts", "topk", "granularity", "tokens", "world", "msg_bytes"] + [
-    f"{v}_{k}" for v in VARIANTS for k in (
-        "dispatch_ms", "dispatch_ms_p10", "dispatch_ms_p90", "dispatch_ms_min", "dispatch_ms_max",
-        "combine_ms", "combine_ms_p10", "combine_ms_p90", "total_ms", "total_ms_min", "total_ms_max", "wire_bytes",
-        "combine_wire_bytes", "algbw_GBps", "busbw_GBps", "host_us", "launches", "copies", "syncs", "d2h")] + [
+    f"{v}_{m}_{k}" for v in VARIANTS for m in MODES for k in _CSV_STEP + tuple(
+        f"{ph}_ms{q}" for ph in PHASES[m] for q in ("", "_p10", "_p90")) + (
+        "host_us", "algbw_GBps", "busbw_GBps", "launches", "copies", "syncs", "d2h")] + [
+    f"{v}_{k}" for v in VARIANTS for k in ("wire_bytes", "combine_wire_bytes")] + [
     s + q for s in SPEEDUP_KEYS for q in ("", "_min", "_max")] + ["wire_ratio_dispatch"]
 
 
@@ -169,7 +187,8 @@ def write_csv(path, records):
 
 
 def write_plot(path, records, meta, analysis=None) -> Optional[str]:
-    """PNG of the three speedups against message size, one line per series (the ratio of the medians)
+    """PNG of three speedups against message size (PLOT_TITLES: the training step's first), one line per
+    series (the ratio of the medians)
     in a band from the smallest to the largest per-iteration ratio, one legend for all panels;
     returns why not, or None."""
     try:
@@ -182,11 +201,8 @@ def write_plot(path, records, meta, analysis=None) -> Optional[str]:
         return "matplotlib is not installed (pip install matplotlib): no plot written"
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.2), sharey=True)
     rec = (analysis or {}).get("recommendation", {}).get("recommended_bytes")
-    titles = {"speedup_dispatch": "dispatch: megatron / fp8a2a-fp8",
-              "speedup_total": "dispatch + combine: megatron / fp8a2a-fp8",
-              "speedup_fp8_vs_bf16_wire_dispatch": "dispatch: fp8a2a-bf16 / fp8a2a-fp8"}
     handles = {}
-    for ax, key in zip(axes, SPEEDUP_KEYS):
+    for ax, key in zip(axes, PLOT_TITLES):
         for i, (name, rs) in enumerate(_by_series(records).items()):
             pts = sorted((r["msg_bytes"], r[key], r.get(f"{key}_min"), r.get(f"{key}_max"))
                          for r in rs if r.get(key) is not None)
@@ -199,20 +215,21 @@ def write_plot(path, records, meta, analysis=None) -> Optional[str]:
             if all(p[2] is not None and p[3] is not None for p in pts):
                 ax.fill_between(x, [p[2] for p in pts], [p[3] for p in pts], color=color, alpha=0.2, linewidth=0)
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-        if rec and key == "speedup_fp8_vs_bf16_wire_dispatch":
+        if rec and key == "speedup_train_vs_bf16_wire":
             handles[f"recommended bf16_below_bytes ({fmt_bytes(rec)})"] = ax.axvline(
                 rec, color="red", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_bytes(v).replace(".0 ", " ")))
         ax.set_xlabel("BF16 input per rank (tokens x hidden x 2 B)")
-        ax.set_title(titles[key], fontsize=10)
+        ax.set_title(PLOT_TITLES[key], fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("speedup (> 1: fp8a2a-fp8 faster)")
     handles["min-max over iterations"] = Patch(color="gray", alpha=0.3)
     fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 4), fontsize=9,
                frameon=False)
     label = "FUNCTIONAL ONLY (CPU, gloo)" if meta["functional_only"] else meta["device"]
-    fig.suptitle(f"fp8a2a all-to-all: {label}, world size {meta['world']}; line: ratio of medians")
+    fig.suptitle(f"fp8a2a all-to-all: {label}, world size {meta['world']}; line: ratio of medians; "
+                 "training step: x and router weights requiring grad")
     fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(handles) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -247,27 +264,28 @@ def _size(n):
     return f"{text[:-2] if text.endswith('.0') else text} {unit}"
 
 
-def _pair(r, key, spec):
-    """megatron's figure/fp8a2a-fp8's (host_ms: from the records' host_us)."""
-    a, b = (r.get(f"{v}_host_us") / 1e3 if key == "host_ms" and r.get(f"{v}_host_us") is not None else
-            r.get(f"{v}_{key}") for v in ("megatron_bf16", "fp8a2a_fp8"))
+def _pair(r, key, spec, mode="train"):
+    """megatron's figure/fp8a2a-fp8's, of one mode (host_ms: from the records' host_us)."""
+    a, b = (r.get(f"{v}_{mode}_host_us") / 1e3 if key == "host_ms" and r.get(f"{v}_{mode}_host_us") is not None
+            else r.get(f"{v}_{mode}_{key}") for v in ("megatron_bf16", "fp8a2a_fp8"))
     return "-" if a is None and b is None else f"{_num(a, spec)}/{_num(b, spec)}"
 
 
 def table_columns(gpu: bool):
-    """(group, header, width, cell(record)) per column; the GPU-only counts only with gpu."""
+    """(group, header, width, cell(record)) per column: the training step first (the headline),
+    inference in one column; the GPU-only counts (of the training step) only with gpu."""
     m, f = "megatron_bf16", "fp8a2a_fp8"
     cols = [("", "tokens", 6, lambda r: str(r["tokens"])),
             ("", "msg/rank", 9, lambda r: _size(r["msg_bytes"])),
-            ("dispatch ms", NAMES[m], 9, lambda r: _num(r.get(f"{m}_dispatch_ms"))),
-            ("dispatch ms", NAMES[f], 11, lambda r: _num(r.get(f"{f}_dispatch_ms"))),
-            ("speedup x", "disp", 6, lambda r: _num(r.get("speedup_dispatch"), ".2f")),
-            ("speedup x", "d+c", 6, lambda r: _num(r.get("speedup_total"), ".2f")),
-            ("speedup x", "vs-bf16", 8, lambda r: _num(r.get("speedup_fp8_vs_bf16_wire_dispatch"), ".2f")),
+            ("train step ms", NAMES[m], 9, lambda r: _num(r.get(f"{m}_train_ms"))),
+            ("train step ms", NAMES[f], 11, lambda r: _num(r.get(f"{f}_train_ms"))),
+            ("speedup x", "train", 6, lambda r: _num(r.get("speedup_train"), ".2f")),
+            ("speedup x", "vs-bf16", 8, lambda r: _num(r.get("speedup_train_vs_bf16_wire"), ".2f")),
+            ("speedup x", "infer", 6, lambda r: _num(r.get("speedup_infer"), ".2f")),
             ("wire", "fp8/meg", 8, lambda r: _num(r.get("wire_ratio_dispatch"), ".3f"))]
     if gpu:
         cols += [("GPU", "host ms", 10, lambda r: _pair(r, "host_ms", None)),
-                 ("GPU", "busbw", 6, lambda r: _num(r.get(f"{f}_busbw_GBps"))),
+                 ("GPU", "busbw", 6, lambda r: _num(r.get(f"{f}_train_busbw_GBps"))),
                  ("GPU", "kernels", 7, lambda r: _pair(r, "launches", "d")),
                  ("GPU", "syncs", 5, lambda r: _pair(r, "syncs", "d"))]
     return cols
@@ -292,37 +310,47 @@ def format_table(records, gpu: bool = False) -> str:
 
 def table_legend(meta) -> str:
     gpu = not meta["functional_only"]
-    lines = [f"times: per iteration the slowest rank's; the median of {meta['iters']} iterations "
-             "(p10/p90 and min/max: in the CSV and JSON)",
+    lines = ["train step (the headline): dispatch + combine forward, then y.backward(dy); x and the router weights",
+             "            require grad; identity experts (megatron's multiply each row by its prob; fp8a2a's",
+             "            dequantize, and its combine applies the weights)",
+             "infer: inference, dispatch + combine forward only (nothing requires grad)",
+             f"times: per iteration the slowest rank's; the median of {meta['iters']} iterations (phases, p10/p90, "
+             "min/max",
+             "       and inference times: in the CSV and JSON)",
              "msg/rank: the BF16 input per rank, tokens x hidden x 2 B",
-             "speedup: megatron / fp8a2a-fp8 time, of the dispatch (disp) and of dispatch + combine (d+c);",
-             "         vs-bf16: fp8a2a-bf16 / fp8a2a-fp8 dispatch time; > 1: fp8a2a-fp8 is faster",
-             "wire: the bytes fp8a2a-fp8's dispatch sends / megatron's"]
+             "speedup: train: megatron / fp8a2a-fp8 training step time; vs-bf16: fp8a2a-bf16 / fp8a2a-fp8 training",
+             "         step time; infer: megatron / fp8a2a-fp8 inference time; > 1: fp8a2a-fp8 is faster",
+             "wire: the bytes fp8a2a-fp8's dispatch (forward) sends / megatron's"]
     if gpu:
-        lines += ["GPU: host ms, kernels, syncs: megatron/fp8a2a-fp8 per dispatch + combine (host time without a "
-                  "sync; launches", "     and host syncs from the profiler); busbw: nccl-tests alltoall bus "
-                  "bandwidth of fp8a2a-fp8's dispatch, GB/s"]
+        lines += ["GPU: host ms, kernels, syncs: megatron/fp8a2a-fp8 per training step (host time without a sync;",
+                  "     launches and host syncs from the profiler); busbw: nccl-tests alltoall bus bandwidth of",
+                  "     fp8a2a-fp8's dispatch in the training step, GB/s"]
     else:
         lines.append("(host time, bus bandwidth, kernel and host-sync counts: GPU figures, not shown on a CPU)")
     return "\n".join(["variants:"] + [f"  {v}" for v in LEGEND] + lines)
 
 
 def format_summary(records, analysis) -> str:
-    head = (f"{'series':<20}{'d+c at largest':>15}{'best':>7}{'beats fp8a2a-bf16 from':>24}"
+    head = (f"{'series':<20}{'train at largest':>17}{'best':>7}{'infer at largest':>17}{'beats fp8a2a-bf16 from':>24}"
             f"{'beats megatron from':>21}")
-    lines = ["summary per series: fp8a2a-fp8's dispatch + combine speedup over megatron at the largest size and at",
-             "best; the message size from which fp8a2a-fp8 wins at every larger size", head, "-" * len(head)]
+    lines = ["summary per series: fp8a2a-fp8's training step speedup over megatron at the largest size and at best,",
+             "its inference speedup at the largest size; the message size from which fp8a2a-fp8's training step",
+             "wins at every larger size", head, "-" * len(head)]
 
     def cx(c):
         return {"crosses": fmt_bytes(c["crossover_bytes"]), "fp8_always_wins": f"<= {fmt_bytes(c['crossover_bytes'])}",
                 "bf16_always_wins": f"> {fmt_bytes(c['last_loss_bytes'])} (never)"}.get(c["status"], "-")
     for name, rs in _by_series(records).items():
         big = max(rs, key=lambda r: r["msg_bytes"])
-        sp = [r["speedup_total"] for r in rs if r.get("speedup_total") is not None]
-        lines.append(f"{name:<20}{_num(big.get('speedup_total'), '.2f'):>15}{_num(max(sp) if sp else None, '.2f'):>7}"
+        sp = [r["speedup_train"] for r in rs if r.get("speedup_train") is not None]
+        lines.append(f"{name:<20}{_num(big.get('speedup_train'), '.2f'):>17}{_num(max(sp) if sp else None, '.2f'):>7}"
+                     f"{_num(big.get('speedup_infer'), '.2f'):>17}"
                      f"{cx(analysis['crossover_vs_bf16_wire'][name]):>24}"
                      f"{cx(analysis['crossover_vs_megatron'][name]):>21}")
-    lines += textwrap.wrap(analysis["recommendation"]["text"], 110)
+    lines += textwrap.wrap("training step: " + analysis["recommendation"]["text"], 110)
+    if "inference" in analysis:
+        lines += textwrap.wrap("inference (forward only; dispatch time): "
+                               + analysis["inference"]["recommendation"]["text"], 110)
     return "\n".join(lines)
 
 
@@ -333,7 +361,7 @@ def report(records, meta, args, out=None):
     errors = sorted({f"{NAMES[v]}: {r[f'{v}_error']}" for r in records for v in VARIANTS if r.get(f"{v}_error")})
     for e in errors:
         print(f"not measured: {e}", file=out)
-    if not any(r.get(f"{v}_dispatch_ms") is not None for r in records for v in VARIANTS):
+    if not any(r.get(f"{v}_{m}_ms") is not None for r in records for v in VARIANTS for m in MODES):
         print("nothing was measured: no file written", file=out)
         return None
     analysis = analyse(records)

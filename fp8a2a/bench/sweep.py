@@ -1,5 +1,6 @@
 """The sweep every rank runs: for each series and token count, the three variants timed in the same
-run and in alternating order (see the package docstring), one record per point."""
+run and in alternating order, each as a training step (forward + backward, the headline) and as
+inference (forward only); see the package docstring. One record per point."""
 import math
 import os
 import sys
@@ -14,7 +15,7 @@ from .. import Dispatcher, ops
 from ..wire import CountsCol, Granularity
 from .baseline import MegatronStyleAlltoAll, make_routing
 from .costs import profile_call
-from .report import algbw_gbps, busbw_gbps, summarize
+from .report import MODES, PHASES, algbw_gbps, busbw_gbps, summarize
 
 # ------------------------------------------------------------------------------------------
 # the sweep's definition
@@ -37,19 +38,19 @@ GPU_SERIES = (
     Series("qwen3-30b", 2048, 128, 8, "row"),
 )
 GPU_TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# A short sweep for CPU/gloo (functional numbers; under a minute on 2 cores).
+# A short sweep for CPU/gloo (functional numbers; about half a minute on 2 cores).
 CPU_SERIES = (
     Series("cpu-h1024", 1024, 16, 4, "row"),
     Series("cpu-h1024-b128", 1024, 16, 4, "block128"),
     Series("cpu-h256-k2", 256, 8, 2, "row"),
 )
-CPU_TOKENS = (64, 256, 1024, 2048)
+CPU_TOKENS = (64, 512, 2048)
 NAMED_SERIES = {s.name: s for s in GPU_SERIES + CPU_SERIES}
 
 
 def default_iters(cuda: bool):
     """(timed iterations, warm-up iterations) per point when the command line gives none."""
-    return (20, 3) if cuda else (5, 1)
+    return (20, 3) if cuda else (3, 0)  # CPU: run_point's first calls are the warm-up
 
 
 @dataclass(frozen=True)
@@ -121,42 +122,66 @@ def profile_costs(pending, device):
                 rec[f"{name}_{field_}"] = (c or {}).get(key)
 
 
+# Each variant is timed in two modes (report.MODES), in the same loop: the training step (the
+# headline) and inference (forward only); report.PHASES: the phases of each, timed apart in one call.
+
+
+class _Step:
+    """One timed call of a variant in one mode: `phases` run in order, each taking the previous
+    one's result (the first takes None). `leaves`: the tensors requiring grad (the training step's),
+    whose gradients reset() clears before each call, outside the timed region."""
+
+    def __init__(self, name, phases, leaves=()):
+        self.name, self.phases, self.leaves = name, phases, leaves
+
+    def reset(self):
+        for t in self.leaves:
+            t.grad = None  # each step computes its gradients afresh
+
+    def __call__(self):  # the whole call, as profile_costs counts it
+        self.reset()
+        state = None
+        for phase in self.phases:
+            state = phase(state)
+        return state
+
+
 class _Variant:
-    def __init__(self, name, dispatch, combine, wire):
-        self.name, self.dispatch, self.combine, self.wire = name, dispatch, combine, wire
-        self.error = None
+    """One way of moving the tokens: a _Step per mode, and wire(dispatch output) -> (dispatch
+    bytes, combine bytes, wire format) of the forward."""
+
+    def __init__(self, name, infer, train, wire):
+        self.name, self.steps, self.wire, self.error = name, {"infer": infer, "train": train}, wire, None
 
 
-def _time_variants(variants: List[_Variant], iters: int, warmup: int, device, group, world):
-    """Per variant: lists of (dispatch ms, combine ms, host us per dispatch+combine) per iteration,
-    the variants in rotating order; each iteration's time is the slowest rank's."""
+def _time_steps(steps: List[_Step], iters: int, warmup: int, device, group, world):
+    """Per step: one row per iteration, [ms of each phase..., host us of the whole call], the steps
+    in rotating order, every one between the same rank alignment and device sync; each
+    iteration's figures are the slowest rank's."""
     cuda = device.type == "cuda"
-    raw = {v.name: [] for v in variants}
+    raw = {s.name: [] for s in steps}
     for it in range(warmup + iters):
-        shift = it % len(variants)
-        for v in variants[shift:] + variants[:shift]:
+        shift = it % len(steps)
+        for s in steps[shift:] + steps[:shift]:
+            s.reset()
             _align(device, group, world)
+            n = len(s.phases)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)] if cuda else []
             if cuda:
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                 ev[0].record()
-            h0 = time.perf_counter()
-            state = v.dispatch()
-            h1 = time.perf_counter()
-            if cuda:
-                ev[1].record()
-            v.combine(state)
-            h2 = time.perf_counter()
-            if cuda:
-                ev[2].record()
+            host = [time.perf_counter()]
+            state = None
+            for i, phase in enumerate(s.phases):
+                state = phase(state)
+                host.append(time.perf_counter())
+                if cuda:
+                    ev[i + 1].record()
             _sync(device)
+            del state
             if it < warmup:
                 continue
-            if cuda:
-                d_ms, c_ms = ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])
-            else:
-                d_ms, c_ms = (h1 - h0) * 1e3, (h2 - h1) * 1e3
-            raw[v.name].append((d_ms, c_ms, (h2 - h0) * 1e6))
-            del state
+            ms = [ev[i].elapsed_time(ev[i + 1]) if cuda else (host[i + 1] - host[i]) * 1e3 for i in range(n)]
+            raw[s.name].append(ms + [(host[n] - host[0]) * 1e6])
     out = {}
     for name, rows in raw.items():
         t = torch.tensor(rows, dtype=torch.float64, device=device)
@@ -171,16 +196,41 @@ def _time_variants(variants: List[_Variant], iters: int, warmup: int, device, gr
 # ------------------------------------------------------------------------------------------
 # one point of the sweep
 
-def _fp8a2a_variant(name, disp, x, idx, w, hidden, topk, device):
+def _leaf(t):
+    """A copy of t that requires grad: each training step has leaves of its own, with the same values."""
+    return t.detach().clone().requires_grad_()
+
+
+def _megatron_variant(mega, x, rmap, probs, dy, hidden):
+    """Inference: dispatch, then combine of the dispatched rows (identity experts; the probs left to
+    them). Training: x and probs require grad, identity experts that multiply each row by its prob
+    (where Megatron's experts apply them), combine, y.backward(dy)."""
+    xg, pg = _leaf(x), _leaf(probs)
+
+    def train_combine(s):
+        rows, _, p = s
+        return mega.combine(rows * p.unsqueeze(-1).to(rows.dtype))
+
+    infer = _Step("megatron_bf16_infer", (lambda _: mega.dispatch(x, rmap, probs), lambda s: mega.combine(s[0])))
+    train = _Step("megatron_bf16_train", (lambda _: mega.dispatch(xg, rmap, pg), train_combine,
+                                          lambda y: y.backward(dy)), (xg, pg))
+    return _Variant("megatron_bf16", infer, train, lambda s: mega.wire_bytes(hidden) + (Granularity.RAW,))
+
+
+def _fp8a2a_variant(name, disp, x, idx, w, dy, hidden, topk, device):
+    """Inference: dispatch, then combine of a fixed tensor of the rows' shape (identity experts; the
+    weights left to them). Training: x and w require grad, identity experts (the dequantized rows),
+    combine applying the router weights, y.backward(dy)."""
     state = {}
+    xg, wg = _leaf(x), _leaf(w)
 
-    def dispatch():
-        return disp.dispatch(x, idx, w)
-
-    def combine(out):
+    def infer_combine(out):
         if "y" not in state or state["y"].shape[0] != out.handle.num_rows:
             state["y"] = torch.randn(out.handle.num_rows, hidden, dtype=x.dtype, device=device)
         return disp.combine(state["y"], out.handle, apply_weights=False)
+
+    def train_combine(out):
+        return disp.combine(out.dequantized(x.dtype), out.handle)
 
     def wire(out):
         h = out.handle
@@ -190,36 +240,51 @@ def _fp8a2a_variant(name, disp, x, idx, w, hidden, topk, device):
         c_bytes = sum(h.recv_splits) * ops.combine_row_bytes(hidden, x.dtype, disp.fp8_combine, 0)
         return d_bytes, c_bytes, h.wire
 
-    return _Variant(name, dispatch, combine, wire)
+    infer = _Step(f"{name}_infer", (lambda _: disp.dispatch(x, idx, w), infer_combine))
+    train = _Step(f"{name}_train", (lambda _: disp.dispatch(xg, idx, wg), train_combine, lambda y: y.backward(dy)),
+                  (xg, wg))
+    return _Variant(name, infer, train, wire)
 
 
 def point_seed(seed: int, rank: int, tokens: int) -> int:
     return seed * 1000003 + rank * 7919 + tokens
 
 
-def run_point(series: Series, tokens: int, dispatchers, device, group, rank, world, iters, warmup,
-              profile_launches: Optional[list] = None, seed=0):
-    """One record; with a list as profile_launches, the calls to profile are appended to it."""
+def make_dispatchers(series: Series, group=None) -> dict:
+    """The three sides of a series: the Megatron-style baseline, fp8a2a's BF16 wire, fp8a2a's FP8 wire."""
+    return {"megatron": MegatronStyleAlltoAll(series.experts, group),
+            "raw": Dispatcher(series.experts, group, series.granularity, bf16_below_bytes=1 << 62),
+            "fp8": Dispatcher(series.experts, group, series.granularity, bf16_below_bytes=0)}
+
+
+def point_variants(series: Series, tokens: int, dispatchers, device, rank, seed=0) -> List[_Variant]:
+    """The variants of one point, all fed the same x, routing and (training) dy."""
     hidden, E, K = series.hidden, series.experts, series.topk
     g = torch.Generator(device=device).manual_seed(point_seed(seed, rank, tokens))
     x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
+    dy = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)  # the training steps' dL/dy
     idx, w, rmap, probs = make_routing(tokens, E, K, device, point_seed(seed, rank, tokens) + 1)
-    mega = dispatchers["megatron"]
-    variants = [
-        _Variant("megatron_bf16", lambda: mega.dispatch(x, rmap, probs), lambda s: mega.combine(s[0]),
-                 lambda s: mega.wire_bytes(hidden) + (Granularity.RAW,)),
-        _fp8a2a_variant("fp8a2a_bf16", dispatchers["raw"], x, idx, w, hidden, K, device),
-        _fp8a2a_variant("fp8a2a_fp8", dispatchers["fp8"], x, idx, w, hidden, K, device),
-    ]
-    rec = {"series": series.name, "hidden": hidden, "experts": E, "topk": K, "granularity": series.granularity,
-           "tokens": tokens, "world": world, "msg_bytes": tokens * hidden * 2}
+    return [_megatron_variant(dispatchers["megatron"], x, rmap, probs, dy, hidden),
+            _fp8a2a_variant("fp8a2a_bf16", dispatchers["raw"], x, idx, w, dy, hidden, K, device),
+            _fp8a2a_variant("fp8a2a_fp8", dispatchers["fp8"], x, idx, w, dy, hidden, K, device)]
+
+
+def run_point(series: Series, tokens: int, dispatchers, device, group, rank, world, iters, warmup,
+              profile_launches: Optional[list] = None, seed=0):
+    """One record; with a list as profile_launches, the calls to profile are appended to it."""
+    hidden = series.hidden
+    variants = point_variants(series, tokens, dispatchers, device, rank, seed)
+    rec = {"series": series.name, "hidden": hidden, "experts": series.experts, "topk": series.topk,
+           "granularity": series.granularity, "tokens": tokens, "world": world, "msg_bytes": tokens * hidden * 2}
     ok = []
-    for v in variants:  # first call: warm-up, wire bytes; a variant that cannot run is left out
+    for v in variants:  # first calls: warm-up, wire bytes; a variant that cannot run is left out
         try:
-            s = v.dispatch()
+            infer = v.steps["infer"]
+            s = infer.phases[0](None)
             d_b, c_b, wire = v.wire(s)
-            v.combine(s)
+            infer.phases[1](s)
             del s
+            v.steps["train"]()
         except (NotImplementedError, RuntimeError) as e:  # e.g. no CUDA kernels in this build
             v.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             continue
@@ -232,28 +297,27 @@ def run_point(series: Series, tokens: int, dispatchers, device, group, rank, wor
             rec["fp8_wire_format"] = "bf16" if wire == Granularity.RAW else Granularity(wire).label
         ok.append(v)
     _sync(device)
-    times = _time_variants(ok, iters, warmup, device, group, world)
+    times = _time_steps([v.steps[m] for m in MODES for v in ok], iters, warmup, device, group, world)
     for v in ok:
-        rec.update({f"{v.name}_{k}": None for k in ("launches", "copies", "syncs", "d2h")})
+        rec.update({f"{v.name}_{m}_{k}": None for m in MODES for k in ("launches", "copies", "syncs", "d2h")})
     if profile_launches is not None:  # counted once the whole sweep is timed (profile_costs)
-        profile_launches.append((rec, [(v.name, lambda v=v: v.combine(v.dispatch())) for v in ok]))
+        profile_launches.append((rec, [(v.steps[m].name, v.steps[m]) for m in MODES for v in ok]))
     for v in variants:
         if v.error:
             rec[f"{v.name}_error"] = v.error
             continue
-        rows = times[v.name]
-        d = summarize([r[0] for r in rows])
-        c = summarize([r[1] for r in rows])
-        tot = summarize([r[0] + r[1] for r in rows])
-        host = summarize([r[2] for r in rows])
-        for key, s in (("dispatch_ms", d), ("combine_ms", c), ("total_ms", tot)):
-            rec[f"{v.name}_{key}"] = s["median"]
-            for q in ("p10", "p90", "min", "max"):
-                rec[f"{v.name}_{key}_{q}"] = s[q]
-        rec[f"{v.name}_host_us"] = host["median"]
-        alg = algbw_gbps(rec[f"{v.name}_wire_bytes"], d["median"] / 1e3)
-        rec[f"{v.name}_algbw_GBps"] = alg
-        rec[f"{v.name}_busbw_GBps"] = busbw_gbps(alg, world)
+        for mode in MODES:
+            key, rows = f"{v.name}_{mode}", times[f"{v.name}_{mode}"]
+            stats = {"ms": summarize([sum(r[:-1]) for r in rows])}  # the whole call: its phases' sum
+            stats.update({f"{ph}_ms": summarize([r[i] for r in rows]) for i, ph in enumerate(PHASES[mode])})
+            for what, s in stats.items():
+                rec[f"{key}_{what}"] = s["median"]
+                for q in ("p10", "p90", "min", "max"):
+                    rec[f"{key}_{what}_{q}"] = s[q]
+            rec[f"{key}_host_us"] = summarize([r[-1] for r in rows])["median"]
+            alg = algbw_gbps(rec[f"{v.name}_wire_bytes"], rec[f"{key}_dispatch_ms"] / 1e3)
+            rec[f"{key}_algbw_GBps"] = alg
+            rec[f"{key}_busbw_GBps"] = busbw_gbps(alg, world)
     _speedups(rec, times)
     return rec
 
@@ -264,21 +328,24 @@ def _ratio(a, b):
     return a / b
 
 
-# speedup key: (numerator variant, denominator variant, summed columns of a timing row)
-SPEEDUPS = {"speedup_dispatch": ("megatron_bf16", "fp8a2a_fp8", (0,)),
-            "speedup_total": ("megatron_bf16", "fp8a2a_fp8", (0, 1)),
-            "speedup_fp8_vs_bf16_wire_dispatch": ("fp8a2a_bf16", "fp8a2a_fp8", (0,))}
+# speedup key: (numerator step, denominator step, the phase compared: None for the whole call)
+SPEEDUPS = {"speedup_train": ("megatron_bf16_train", "fp8a2a_fp8_train", None),
+            "speedup_train_vs_bf16_wire": ("fp8a2a_bf16_train", "fp8a2a_fp8_train", None),
+            "speedup_infer": ("megatron_bf16_infer", "fp8a2a_fp8_infer", None),
+            "speedup_infer_dispatch": ("megatron_bf16_infer", "fp8a2a_fp8_infer", "dispatch"),
+            "speedup_infer_vs_bf16_wire_dispatch": ("fp8a2a_bf16_infer", "fp8a2a_fp8_infer", "dispatch")}
 
 
 def _speedups(rec, times=None):
     """Each speedup as the ratio of the two medians; with the timing rows, also the min and max
-    of the per-iteration ratios (both variants of an iteration ran back to back)."""
-    for key, (num, den, cols) in SPEEDUPS.items():
-        what = "total_ms" if cols == (0, 1) else "dispatch_ms"
+    of the per-iteration ratios (both steps of an iteration ran back to back)."""
+    for key, (num, den, phase) in SPEEDUPS.items():
+        what = "ms" if phase is None else f"{phase}_ms"
         rec[key] = _ratio(rec.get(f"{num}_{what}"), rec.get(f"{den}_{what}"))
         if times and num in times and den in times:
-            per_iter = [_ratio(sum(a[c] for c in cols), sum(b[c] for c in cols))
-                        for a, b in zip(times[num], times[den])]
+            col = None if phase is None else PHASES[num.rsplit("_", 1)[1]].index(phase)
+            value = (lambda r: sum(r[:-1])) if col is None else (lambda r, c=col: r[c])
+            per_iter = [_ratio(value(a), value(b)) for a, b in zip(times[num], times[den])]
             per_iter = [v for v in per_iter if v is not None]
             rec[f"{key}_min"] = min(per_iter) if per_iter else None
             rec[f"{key}_max"] = max(per_iter) if per_iter else None
@@ -323,9 +390,7 @@ def run_sweep(rank, world, args: SweepArgs, group=None):
     bar = Progress(len(series) * len(tokens), enabled=(rank == 0 and not args.quiet))
     records, pending = [], []
     for s in series:
-        disp = {"megatron": MegatronStyleAlltoAll(s.experts, group),
-                "raw": Dispatcher(s.experts, group, s.granularity, bf16_below_bytes=1 << 62),
-                "fp8": Dispatcher(s.experts, group, s.granularity, bf16_below_bytes=0)}
+        disp = make_dispatchers(s, group)
         for t in tokens:
             profile = not args.no_profile and (args.profile_all or t in (min(tokens), max(tokens)))
             records.append(run_point(s, t, disp, device, group, rank, world, iters, warmup,
@@ -337,6 +402,7 @@ def run_sweep(rank, world, args: SweepArgs, group=None):
     meta = {"world": world, "backend": dist.get_backend(group) if dist.is_initialized() else "none",
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "functional_only": not cuda, "torch": torch.__version__, "iters": iters, "warmup": warmup,
+            "headline": "train", "modes": {m: list(PHASES[m]) for m in MODES},
             "series": [asdict(s) for s in series], "skipped_series": skipped, "tokens": list(tokens),
             "nodes": max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)),
             "time": time.strftime("%Y-%m-%d %H:%M:%S")}
