@@ -37,7 +37,7 @@ MODEL = ("--num-layers 4 --hidden-size 2048 --ffn-hidden-size 2048 --num-attenti
          "--max-position-embeddings 2048 --micro-batch-size 2 --global-batch-size 2 --num-experts 16 "
          "--moe-router-topk 4 --moe-grouped-gemm --moe-permute-fusion --swiglu --disable-bias-linear "
          "--moe-aux-loss-coeff 1e-2 --transformer-impl transformer_engine --bf16 --lr 1e-4 --seed 1234 "
-         "--eval-iters 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000").split()
+         "--eval-iters 0 --eval-interval 1000000 --mock-data --tokenizer-type NullTokenizer --vocab-size 32000").split()
 PRECISIONS = {"bf16": ("BF16", []),
               "blockwise": ("TE FP8 blockwise", "--fp8-format e4m3 --fp8-recipe blockwise".split())}
 DISPATCH = {  # name: (label, flags)

@@ -270,7 +270,10 @@ GRAPHED_FP8_EXPERTS = [("moe-drop-and-pad", ["moe"]), ("whole-layer-drop-and-pad
 # steps: if it fails, the harness or Megatron's graphs are at fault, not the FP8 experts), then the
 # FP8 experts with either dgrad
 EXPERT_ARMS = [("megatron-control", False), ("fp8-bf16-dgrad", False), ("fp8-fp8-dgrad", True)]
-FP8_CASES = [(n, m, te, e, dg) for n, m in GRAPHED_FP8_EXPERTS for te in (False, True) for e, dg in EXPERT_ARMS]
+# The local spec only: under the TE spec the control arm (Megatron's own experts) also ends with a
+# non-finite input gradient at step 3 of these large steps, so there the harness cannot tell
+# fp8a2a's experts apart (te=True stays wired for a harness that can).
+FP8_CASES = [(n, m, te, e, dg) for n, m in GRAPHED_FP8_EXPERTS for te in (False,) for e, dg in EXPERT_ARMS]
 
 
 @pytest.mark.parametrize("name,modules,te,arm,fp8_dgrad", FP8_CASES,

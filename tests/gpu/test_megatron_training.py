@@ -34,7 +34,7 @@ MODEL = ("--num-layers 2 --hidden-size 512 --ffn-hidden-size 512 --num-attention
          "--max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 4 --num-experts 8 "
          "--moe-router-topk 2 --moe-grouped-gemm --moe-permute-fusion --swiglu --disable-bias-linear "
          "--moe-aux-loss-coeff 1e-2 --bf16 --lr 1e-3 --lr-decay-style constant --seed 1234 "
-         f"--train-iters {ITERS} --log-interval 1 --eval-iters 0 --mock-data --tokenizer-type NullTokenizer "
+         f"--train-iters {ITERS} --log-interval 1 --eval-iters 0 --eval-interval 1000000 --mock-data --tokenizer-type NullTokenizer "
          "--vocab-size 1024").split()
 BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
 # name: (flags, dispatcher class, experts class, wire granularity)
