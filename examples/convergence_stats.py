@@ -21,7 +21,7 @@ ARMS = {
     "A": ("bf16", "alltoall", {}, False, 1),
     "B": ("fp8_row", FP8_ALLTOALL, {"granularity": "row"}, False, 1),
     "C": ("fp8_block128", FP8_ALLTOALL, {"granularity": "block128"}, False, 1),
-    "D": ("fp8_experts", FP8_ALLTOALL, {"granularity": "row"}, True, 1),
+    "D": ("fp8_experts", FP8_ALLTOALL, {"granularity": "row", "fp8_dgrad": False}, True, 1),  # BF16 dgrad, recipe or not
     "E": ("fp8_experts_dgrad", FP8_ALLTOALL, {"granularity": "row", "fp8_dgrad": True}, True, 1),
     "F": ("fp8_experts_dgrad_wgrad", FP8_ALLTOALL, {"granularity": "row", "fp8_dgrad": True, "fp8_wgrad": True}, True, 1),
     "G": ("fp8_row_combine", FP8_ALLTOALL, {"granularity": "row", "fp8_combine": True}, False, 1),
