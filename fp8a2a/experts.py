@@ -13,7 +13,7 @@ fc2 one kernel computes act(z) * router_weight and quantizes it per row for fc2.
 straight-through for every quantization: dX = dY @ W on the BF16 master weights (fp8_dgrad=True:
 dY quantized per row, W per input channel, FP8 GEMM), dW = dY^T @ x_hat in BF16 where x_hat is
 rebuilt from the saved FP8 rows and scales: no BF16 copy of any GEMM input is saved.
-fp8_wgrad=True (lossy: README gives its error against the BF16 dW) computes dW from FP8 operands
+fp8_wgrad=True (lossy; README's numerics give its effect on training) computes dW from FP8 operands
 scaled as TE's blockwise recipe scales them: dY and x_hat quantized per 128 tokens of an expert and
 column (1 x 128 along the GEMM's reduction; every expert padded to a multiple of 128 tokens), each
 by one fused quantize-transpose (x_hat straight from the saved FP8 rows), then one grouped GEMM that
@@ -518,9 +518,9 @@ class FP8GroupedMLP(torch.nn.Module):
     master weights in `dtype` (bf16). forward(q, tokens_per_expert, router_weights=None) -> [N, hidden]
     bf16; router_weights [N] multiply the activation (where Megatron applies its probs).
     backend: 'auto' | 'scaled_grouped_mm' | 'triton' | 'reference'; fp8_dgrad: FP8 input-gradient
-    GEMMs (default BF16); fp8_wgrad: FP8 weight-gradient GEMMs, operands quantized per (expert,
-    column) (default BF16; opt-in and lossy, 'scaled_grouped_mm' and 'reference' backends only, see
-    the module docstring); fast_accum: torch._scaled_grouped_mm's fast accumulation (default on);
+    GEMMs (default BF16); fp8_wgrad: FP8 weight-gradient GEMMs, operands quantized per 128 tokens
+    of an expert and column (default BF16; lossy; sm_90+ with Triton, or the 'reference' backend,
+    see the module docstring); fast_accum: torch._scaled_grouped_mm's fast accumulation (default on);
     config: an ExpertsConfig, how the GPU backends pick their kernels (default ExpertsConfig())."""
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu", *,
