@@ -178,8 +178,8 @@ def _warn_fp8_wgrad_unavailable(backend):
                   "weight gradient here", RuntimeWarning, stacklevel=4)
 
 
-def _warn_refused(err, fallback="the Triton grouped GEMM"):
-    warnings.warn(f"fp8a2a: torch._scaled_grouped_mm refused this shape ({err}); using {fallback}",
+def _warn_refused(err):
+    warnings.warn(f"fp8a2a: torch._scaled_grouped_mm refused this shape ({err}); using the Triton grouped GEMM",
                   RuntimeWarning, stacklevel=3)
 
 
@@ -294,7 +294,7 @@ def _wgrad(cfg, g, xq, xs, offs, weight):
         return torch.zeros_like(weight)
     if cfg.fp8_wgrad and cfg.backend == "reference":
         return _wgrad_fp8_reference(g, _dequant(xq, xs), offs, E).to(weight.dtype)
-    if cfg.fp8_wgrad and triton_kernels() is not None and triton_kernels().wgrad_fp8_ok(g.device):
+    if cfg.fp8_wgrad and triton_kernels() is not None and triton_kernels().tma_ok(g.device):
         return _wgrad_fp8(g, xq, xs, offs, weight.dtype)
     if cfg.fp8_wgrad:
         _warn_fp8_wgrad_unavailable(cfg.backend)

@@ -163,11 +163,16 @@ def _grouped_mm_fp8_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+def tma_ok(device) -> bool:
+    """Whether the TMA kernels run on device: Triton with host TMA descriptors, sm_90+."""
+    return TensorDescriptor is not None and torch.device(device).type == "cuda" \
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def fp8_tma_ok(a, w) -> bool:
-    """Whether grouped_mm_fp8 takes these operands: Triton with host TMA descriptors (sm_90+),
-    contiguous e4m3 a [M, K] and w [E, N, K] with rows of a multiple of 16 bytes."""
-    return (TensorDescriptor is not None and a.is_cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
-            and a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()
+    """Whether grouped_mm_fp8 takes these operands: tma_ok, contiguous e4m3 a [M, K] and w [E, N, K]
+    with rows of a multiple of 16 bytes."""
+    return (tma_ok(a.device) and a.dtype == w.dtype == torch.float8_e4m3fn and a.is_contiguous() and w.is_contiguous()
             and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
@@ -263,7 +268,7 @@ WGRAD_FP8_TILE = (128, 128, 8, 8, 3)
 
 
 @triton.jit
-def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_ptr, sb_ptr, poffs_ptr, out_ptr, NA, NB, E, s_sa, s_sb, s_oe, s_om,
+def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_ptr, sb_ptr, poffs_ptr, out_ptr, NA, NB, s_sa, s_sb, s_oe, s_om,
                               BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(NA, BM)
@@ -300,12 +305,6 @@ def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_ptr, sb_ptr, poffs_ptr, out_ptr
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def wgrad_fp8_ok(device) -> bool:
-    """Whether grouped_wgrad_fp8 runs here (host TMA descriptors, sm_90+)."""
-    return TensorDescriptor is not None and torch.device(device).type == "cuda" \
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def grouped_wgrad_fp8(a, sa, b, sb, pad_offs, out_dtype=torch.bfloat16, tile=None):
     """out [E, NA, NB] = per expert e: sum over its 128-token blocks k of
     (sa[k] * a[:, k]) @ (sb[k] * b[:, k])^T; a [NA, mpad] and b [NB, mpad] e4m3 with scales
@@ -319,7 +318,7 @@ def grouped_wgrad_fp8(a, sa, b, sb, pad_offs, out_dtype=torch.bfloat16, tile=Non
     BK = wire.BLOCK
     grid = (E * triton.cdiv(NA, BM) * triton.cdiv(NB, BN),)
     _grouped_wgrad_fp8_kernel[grid](TensorDescriptor.from_tensor(a, [BM, BK]), TensorDescriptor.from_tensor(b, [BN, BK]),
-                                    sa, sb, pad_offs, out, NA, NB, E, sa.stride(0), sb.stride(0),
+                                    sa, sb, pad_offs, out, NA, NB, sa.stride(0), sb.stride(0),
                                     out.stride(0), out.stride(1), BK=BK, BM=BM, BN=BN, GROUP_M=group_m,
                                     num_warps=warps, num_stages=stages)
     return out

@@ -139,7 +139,8 @@ def _hit(weight, sources, cache, kind, key):
 
 def _store(sources, cache, kind, key, out):
     """Caches out under key and returns what the caller must use: out, or for a copy a graph
-    reads, that copy with out's values copied in (a new shape cannot be what the graph read)."""
+    reads, that copy with out's values copied in (a new shape cannot be: the graph must be captured
+    again, and this raises)."""
     graphed = _graphed(sources)
     old = cache.get(kind, (None, None))[1]
     if kind in graphed:
@@ -149,8 +150,9 @@ def _store(sources, cache, kind, key, out):
             for a, b in zip(olds, news):
                 a.copy_(b)
             out = old
-        else:
-            graphed.discard(kind)
+        else:  # the graph would keep reading the old copy's memory, freed or reused
+            raise RuntimeError("fp8a2a: an expert weight a captured CUDA graph reads changed its shape or dtype "
+                               "(or its cached copy was dropped); capture the graph again")
     if key is not None or kind in graphed:  # a graphed copy with no key is refilled at every call
         cache[kind] = (key, out)
     return out
