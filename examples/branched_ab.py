@@ -58,7 +58,7 @@ from convergence_stats import ARMS, NOISE_ARMS, pct, t_interval
 from train_convergence import load_corpus, sync
 
 DEFAULT_ARMS = "A,B,C,D,E,F,noise,rerun,G,H"  # the order tasks of one checkpoint are taken in
-TARGET_CI = 0.0025  # the 95% t-interval of an arm's mean gap inside +-0.25%
+GAP_BOUND = 0.0025  # the 95% t-interval of an arm's mean gap inside +-0.25%
 RERUN_SEED = 977  # the rerun arm's RNG: another draw for anything random (dropout, if on)
 MERGE_S = 15  # seconds the run keeps for the merge after its workers
 
@@ -293,7 +293,9 @@ class Worker:
     def branch(self, step, x, ck, deadline):
         r, n = self.model(x, ck), self.plan["branch_steps"]
         r.load_weights(ck)
-        torch.set_rng_state(ck["rng"])
+        torch.set_rng_state(ck["rng"])  # every arm's branch draws what the trunk would have drawn next
+        if ck.get("cuda_rng") is not None and self.env.device.type == "cuda":
+            torch.cuda.set_rng_state(ck["cuda_rng"], self.env.device)
         if x == "rerun":
             torch.manual_seed(RERUN_SEED)
         r.probe.loads = {}
@@ -367,7 +369,7 @@ def merge(state_dir, out, log):
         m, sd, _, h, ci = t_interval([g[s] for s in steps]) if steps else (None,) * 5
         mine = [by[s][x] for s in steps]
         table[x] = dict(name=ARMS[x][0], n=len(steps), gaps={str(s): v for s, v in g.items()}, mean=m, sd=sd,
-                        half_width=h, ci95=ci, inside=None if ci is None else -TARGET_CI <= ci[0] and ci[1] <= TARGET_CI,
+                        half_width=h, ci95=ci, inside=None if ci is None else -GAP_BOUND <= ci[0] and ci[1] <= GAP_BOUND,
                         floors={f: floor(gaps[f], steps) for f in NOISE_ARMS if f in gaps and f != x},
                         fp8_wire=all(r["fp8_wire"] for r in mine),
                         ms_per_step=sum(r["ms_per_step"] for r in mine) / len(mine) if mine else None)
@@ -414,7 +416,7 @@ def merge(state_dir, out, log):
     with open(os.path.join(out, "branch_summary.md"), "w") as f:
         f.write(text + "\n")
     doc = dict(plan=plan, trunk=trunk, gap="val loss of the branch / that of arm A's branch from the same checkpoint - 1",
-               target=f"95% t-interval of the mean gap inside +-{100 * TARGET_CI}%", arms=table,
+               target=f"95% t-interval of the mean gap inside +-{100 * GAP_BOUND}%", arms=table,
                missing=[dict(step=s, arm=x) for s, x in missing], grad_missing=grad_missing,
                grad_summary=grad["summary"] if grad else None)
     with open(os.path.join(out, "branch_summary.json"), "w") as f:

@@ -7,7 +7,8 @@ Each option (the names in NAMES) is looked up, first match wins:
      flag was given (--fp8a2a-granularity ...; the parser defaults are None = not given),
   3. the defaults given to fp8a2a.megatron.register(...),
   4. the built-in defaults (DispatcherConfig's, ExpertOptions', capacity_mode "auto"); a granularity
-     given nowhere follows the TE recipe (RECIPE_GRANULARITY).
+     given nowhere follows the TE recipe (RECIPE_GRANULARITY), and so does the FP8 experts' dgrad
+     (recipe_gradients: FP8 under a TE FP8 recipe).
 resolve(config, fp8_experts) applies this once per layer and returns Options: the Dispatcher's
 DispatcherConfig (the wire options, and the capacity factor that Megatron's capacity settings and
 capacity_mode give it), the experts' ExpertOptions and the capacity mode. ExpertOptions.impl
