@@ -14,9 +14,13 @@ configuration once, in an order rotated each round; --runs rounds. A run's figur
 logged figures after the first --warmup iterations (each logged figure is Megatron's mean over its
 --log-interval iterations). Reported per configuration: median [min-max] over the runs, and the
 speedup over `alltoall` of the same precision (its time / this time), taken per round. The JSON is
-rewritten after every run; --time-budget starts no round that would not fit. --dry-run prints the
-commands. Without APEX every run gets --no-gradient-accumulation-fusion (Megatron's own output layer
-needs APEX's kernel for it)."""
+rewritten after every run; --time-budget starts no round that would not fit, and no run with less
+time left than 1.2x the longest finished run (before one has finished: --min-run-s; a cold start
+alone, model build, TE init, torch.compile and the Triton JIT of fp8a2a's kernels, takes 20-30 s),
+so the budget does not cut a run short into a spurious timeout. --dry-run prints the commands.
+Without APEX every run gets --no-gradient-accumulation-fusion (Megatron's own output layer needs
+APEX's kernel for it). --eval-iters 0 and a --eval-interval past the run: no evaluation, and
+megatron.training 0.19 divides by --eval-interval when it sizes the datasets (it has no default)."""
 import argparse
 import importlib.metadata
 import importlib.util
@@ -203,6 +207,9 @@ def main(argv=None):
     ap.add_argument("--args", default="", help="more Megatron flags for every run (after the model's: they win)")
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds per run")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds: start no round that would not fit")
+    ap.add_argument("--min-run-s", type=float, default=60,
+                    help="with --time-budget: start no run with less left than this before a run has finished, then "
+                         "than 1.2x the longest finished run")
     ap.add_argument("--log-dir", default=None, help="one log per run here (default: beside --json, or ./bench_out)")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every run)")
     ap.add_argument("--md", default=None, help="write the markdown table here")
@@ -229,7 +236,7 @@ def main(argv=None):
               "command": shlex.join(["python", "benchmarks/bench_megatron_training.py", *(argv or sys.argv[1:])]),
               "run_commands": {n: shown(command(args, n)) for n in names}, "warmup": args.warmup,
               "iters": args.iters, "log_interval": args.log_interval, **environment(), "runs": [], "summary": {}}
-    t0, longest_round = time.monotonic(), 0.0
+    t0, longest_round, longest_run = time.monotonic(), 0.0, 0.0
     for rnd in range(args.runs):
         left = None if args.time_budget is None else args.time_budget - (time.monotonic() - t0)
         if left is not None and rnd and left < longest_round:
@@ -241,13 +248,19 @@ def main(argv=None):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
             timeout = args.run_timeout
             if args.time_budget is not None:
-                timeout = min(timeout, args.time_budget - (time.monotonic() - t0))
-            if timeout < 10:
-                result["stopped"] = f"out of time in round {rnd + 1}"
-                break
+                left = args.time_budget - (time.monotonic() - t0)
+                need = min(args.run_timeout, 1.2 * longest_run if longest_run else args.min_run_s)
+                if left < need:  # a run the budget would kill is no figure, only an error
+                    result["stopped"] = f"out of time in round {rnd + 1}: {name} not started, {left:.0f} s left, " \
+                                        f"a run needs about {need:.0f} s"
+                    print(result["stopped"], flush=True)
+                    break
+                timeout = min(timeout, left)
             log_path = os.path.join(log_dir, f"run{rnd + 1}_{name.replace('/', '_')}.log")
             r = {"round": rnd + 1, **run_one(args, name, log_path, timeout)}
             result["runs"].append(r)
+            if "error" not in r:
+                longest_run = max(longest_run, r["wall_s"])
             print(f"round {rnd + 1} {name}: " + (f"{r['ms']:.1f} ms/iteration, loss {r['last_loss']}"
                                                  if "error" not in r else r["error"][:300]) + f" ({r['wall_s']} s)",
                   flush=True)
@@ -258,6 +271,9 @@ def main(argv=None):
         if "stopped" in result:
             break
         longest_round = max(longest_round, time.monotonic() - t_round)
+    if args.json:  # again: a stop after the last run (or before any) is recorded too
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
     md = table(result)
     print(md)
     if args.md:

@@ -77,3 +77,10 @@ def test_bench_megatron_training_dry_run():
     assert line.endswith("--moe-token-dispatcher-type fp8_alltoall --fp8a2a-experts megatron --fp8-format e4m3 "
                          "--fp8-recipe blockwise --micro-batch-size 4")
     assert "--train-iters 60 --log-interval 10" in line
+
+
+def test_bench_megatron_training_starts_no_run_the_budget_would_cut(tmp_path):
+    """A run given less than a cold start would only time out: it is not started, and the JSON says why."""
+    r, res = bench(tmp_path, 1, "alltoall/bf16", "--time-budget", "30", "--min-run-s", "60")
+    assert r.returncode == 1 and res["runs"] == [] and res["summary"] == {}
+    assert res["stopped"].startswith("out of time in round 1: alltoall/bf16 not started"), res["stopped"]

@@ -22,6 +22,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,8 +35,9 @@ MODEL = ("--num-layers 2 --hidden-size 512 --ffn-hidden-size 512 --num-attention
          "--max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 4 --num-experts 8 "
          "--moe-router-topk 2 --moe-grouped-gemm --moe-permute-fusion --swiglu --disable-bias-linear "
          "--moe-aux-loss-coeff 1e-2 --bf16 --lr 1e-3 --lr-decay-style constant --seed 1234 "
-         f"--train-iters {ITERS} --log-interval 1 --eval-iters 0 --eval-interval 1000000 --mock-data --tokenizer-type NullTokenizer "
-         "--vocab-size 1024").split()
+         f"--train-iters {ITERS} --log-interval 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
+         # no evaluation; megatron.training 0.19 has no default --eval-interval and divides by it
+         "--eval-iters 0 --eval-interval 1000000").split()
 BLOCKWISE = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
 # name: (flags, dispatcher class, experts class, wire granularity)
 RUNS = {
@@ -88,10 +90,10 @@ def runs(tmp_path_factory):
         procs[name] = (subprocess.Popen([sys.executable, "-m", "fp8a2a.megatron.run", DRIVER, *MODEL, *flags,
                                          *gradient_accumulation_flags()], cwd=ROOT, env=env, stdout=log,
                                         stderr=subprocess.STDOUT), log)
-    out = {}
+    out, deadline = {}, time.monotonic() + 180  # one deadline for all: the runs go at once
     for name, (proc, log) in procs.items():
         try:
-            rc = proc.wait(timeout=180)
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = "timeout"
