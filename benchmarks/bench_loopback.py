@@ -28,8 +28,9 @@ top-8), over links none and pcie (--links), parallel_state at expert_model_paral
   fp8_alltoall + fp8_experts_spec  fp8a2a's dispatcher + FP8 experts, default options
 
 Layers and timing are benchmarks/bench_megatron_layer.py's: one router for both rows, TE's FP8
-weights cast in the first micro-batch and cached after it (quant/step: a first micro-batch's step
-minus a plain one; fp8a2a's weight rebuild timed alone), CUDA events around fwd+bwd, the rows
+weights cast in the first micro-batch and cached after it (quant/step, both rows alike: a step's
+first micro-batch minus a plain one; TE after set_is_first_microbatch, fp8a2a with its cached FP8
+weights dropped), grads set to None outside the timed region, CUDA events around fwd+bwd, the rows
 interleaved; per link --repeat runs of --iters timed steps after --warmup; median [min-max] of the
 run medians, ratios per run. A layer or step that fails names the call (innermost Megatron /
 TransformerEngine / torch.distributed frame) and why. --cpu: tiny shapes, the local spec
@@ -277,7 +278,7 @@ def run_layer(model, ep, links, *, repeat=3, iters=5, warmup=2, cuda=True, link_
                         if v.name not in times:
                             continue
                         try:
-                            ms = bm.timed_ms(v.step, cuda)
+                            ms = bm.timed_call(v, cuda)
                         except Exception as e:  # noqa: BLE001
                             res["rows"][v.name]["error"] = _where(e, f"run {r + 1}, link {lk}: fwd+bwd")
                             log(f"bench_loopback --layer: {v.name}: {res['rows'][v.name]['error']}")
@@ -344,8 +345,8 @@ def format_layer(res):
             out.append(f"over {lk}: time {k} = {lb._span(s, '{:.3f}')}; speed-up {k2} = {lb._span(s2, '{:.3f}')} "
                        f"(per run)")
     out.append("MB/step: bytes this rank puts on the link per fwd+bwd (metered); pred: time over none + the "
-               "link's measured time per message; quant/step: FP8 weights rebuilt per optimizer step (TE: its "
-               "recast in a step's first micro-batch; timed steps reuse the cached weights)")
+               "link's measured time per message; quant/step: FP8 weights rebuilt per optimizer step (a step's "
+               "first micro-batch minus a plain one, both rows; timed steps reuse the cached weights)")
     return "\n".join(out)
 
 

@@ -12,12 +12,21 @@ within 1.15x. Rows (TEGroupedMLP experts unless named): alltoall TE BF16; alltoa
 (the baseline of the ratios); alltoall TE FP8 tensorwise (current scaling); fp8_alltoall + TE FP8
 blockwise with row and with the default (block128), under tensorwise with the default (row) and
 tensor; fp8_alltoall + fp8_experts_spec (default, fp8_dgrad, fp8_dgrad +
-fp8_wgrad). Timing: CUDA events around forward + backward, `--iters` iterations after warm-up, the
-variants of a shape interleaved (rotating order); `--repeat` times the shape's table again in the
-process: medians and min-max of the per-run medians, ratios per run against the baseline of that
-run. Weight quantization per optimizer step (FP8 experts: their caches rebuilt after an
-invalidation; TE requantizes its weights in every micro-batch, so its rows carry it already) is
-timed apart and folded into the step at 1, 8 and 32 micro-batches per optimizer step.
+fp8_wgrad). Timing: CUDA events around forward + backward only, `--iters` iterations after
+warm-up, the variants of a shape interleaved (rotating order); `--repeat` times the shape's table
+again in the process: medians and min-max of the per-run medians, ratios per run against the
+baseline of that run. Both sides are timed as Megatron runs a micro-batch after a step's first:
+TE's linears get is_first_microbatch=False (Megatron's TE wrappers pass True to the first call
+after set_is_first_microbatch, False after it), so TE reuses its cached FP8 weights, as fp8a2a's
+FP8 experts reuse theirs; gradients are set to None before every timed call, outside the timed
+region, for every row alike (as Megatron's DDP leaves .grad after each backward). The headline
+(fwd_bwd_ms, ratio) is that cached per-micro-batch step. Weight quantization per optimizer step is
+measured in the same run, the same way for both sides: in every iteration each row also runs a
+step's first micro-batch (TE: set_is_first_microbatch, so it recasts; fp8a2a: that row's cached FP8
+weights dropped, so its forward rebuilds them) right after its cached step; quant/step is the
+median of those paired differences, reported apart and folded in at 1, 8 and 32 micro-batches per
+optimizer step. te_recast_calls counts timed cached calls in which a TE linear would have recast
+(0 expected).
 
 --cpu: tiny shapes, the variants that need neither TE nor CUDA (SequentialMLP experts), numbers
 functional only (tests/test_bench_megatron_layer.py runs it)."""
@@ -32,7 +41,6 @@ import torch.nn.functional as F
 import fp8a2a
 import fp8a2a.megatron as fm
 from fp8a2a.megatron.standalone import build_layer, fp8_context, with_portable_router, world_of_one
-from fp8a2a.weight_cache import dense_weight, fp8_weight
 
 BASELINE = "alltoall + TE FP8 blockwise"
 TARGET = 1.15  # fp8_experts_spec / FP8GroupedMLP at 256 experts
@@ -60,11 +68,21 @@ CPU_SHAPES = {"64 tok x 4 experts top-2": (64, 4, 2, 128, 64, "table"),
 
 
 class Variant:
-    """A layer and the step that times it: forward under its recipe, backward, fresh grads."""
+    """A row: `step` (forward + backward, the only thing timed); `prepare` (untimed, before every
+    timed call: the gradients set to None, every row alike); `first` (untimed: makes the next step a
+    step's first micro-batch, which recasts or rebuilds the cached FP8 weights; None: nothing
+    cached); `recasts` (whether the next call would recast TE's FP8 weights; None: no TE linears)."""
 
-    def __init__(self, name, step, refresh=None, cfg=None, first_step=None):
-        self.name, self.step, self.refresh, self.cfg = name, step, refresh, cfg
-        self.first_step = first_step  # a step that also recasts TE's FP8 weights (a step's first micro-batch)
+    def __init__(self, name, step, prepare=None, first=None, cfg=None, recasts=None):
+        self.name, self.step, self.prepare, self.first, self.cfg = name, step, prepare, first, cfg
+        self.recasts = recasts
+        self.recast_calls = 0  # timed cached calls (after warm-up) in which TE would have recast
+
+
+def first_microbatch_flags(module):
+    """is_first_microbatch of every submodule that has one (Megatron's TE linears): True makes its
+    next call pass is_first_microbatch=True to TE (cast and cache the FP8 weights), False reuse the cache."""
+    return [m.is_first_microbatch for m in module.modules() if hasattr(m, "is_first_microbatch")]
 
 
 def make_layer(shape, dispatcher, experts, recipe, opts, cuda, ep=1):
@@ -95,26 +113,22 @@ def make_layer(shape, dispatcher, experts, recipe, opts, cuda, ep=1):
 
 def layer_variant(name, layer, cfg, x, gy):
     def step():
-        layer.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_()
         with fp8_context(cfg):
             y, _ = layer(xi)
         y.backward(gy)
 
-    refresh = first_step = None
-    if cfg.fp8 and hasattr(layer, "set_is_first_microbatch"):  # TE casts its FP8 weights in the first micro-batch
-        def first_step():
-            layer.set_is_first_microbatch()
-            step()
-    if hasattr(layer.experts, "_fp8a2a_impl"):  # FP8 experts: their cached weights, per optimizer step
-        impl = layer.experts._fp8a2a_impl
+    def prepare():
+        layer.zero_grad(set_to_none=True)
 
-        def refresh():
-            with torch.no_grad():
-                for w in layer.experts._fp8_weights():  # as a training forward builds them
-                    fp8_weight(w, with_transposed=impl.fp8_dgrad)
-                    fp8_weight(w, transposed=True) if impl.fp8_dgrad else dense_weight(w)
-    return Variant(name, step, refresh, cfg, first_step)
+    firsts = []
+    if cfg.fp8 and hasattr(layer, "set_is_first_microbatch"):  # TE casts its FP8 weights in the first micro-batch
+        firsts.append(layer.set_is_first_microbatch)
+    if hasattr(layer.experts, "_fp8a2a_impl"):  # FP8 experts: their cached weights dropped, rebuilt by the forward
+        firsts.append(lambda: drop_caches(layer.experts))
+    first = (lambda: [f() for f in firsts]) if firsts else None
+    recasts = (lambda: any(first_microbatch_flags(layer))) if first_microbatch_flags(layer) else None
+    return Variant(name, step, prepare, first, cfg, recasts)
 
 
 def grouped_mlp_variants(shape, layer, x, gy, cuda):
@@ -135,8 +149,6 @@ def grouped_mlp_variants(shape, layer, x, gy, cuda):
         mlp.fc1_weight, mlp.fc2_weight = stacks
 
         def step(mlp=mlp):
-            for p in stacks + [router]:
-                p.grad = None
             xi = x.detach().requires_grad_()
             x2 = xi.reshape(-1, H)
             logits = F.linear(x2.float(), router.float())
@@ -145,12 +157,14 @@ def grouped_mlp_variants(shape, layer, x, gy, cuda):
             h = mlp(o.tokens, o.tokens_per_expert, router_weights=o.weights)
             disp.combine(h, o.handle, apply_weights=False).view(x.shape).backward(gy)
 
-        def refresh(mlp=mlp):
-            with torch.no_grad():
-                for w in stacks:
-                    fp8_weight(w, with_transposed=mlp.fp8_dgrad)
-                    fp8_weight(w, transposed=True) if mlp.fp8_dgrad else None
-        out.append(Variant(f"FP8GroupedMLP on Dispatcher{suffix}", step, refresh))
+        def prepare():
+            for p in stacks + [router]:
+                p.grad = None
+
+        def first():
+            for w in stacks:
+                w.__dict__.pop("_fp8a2a_cache", None)
+        out.append(Variant(f"FP8GroupedMLP on Dispatcher{suffix}", step, prepare, first))
     return out
 
 
@@ -173,36 +187,44 @@ def timed_ms(fn, cuda):
     return a.elapsed_time(b)
 
 
+def timed_call(v, cuda, first=False, count=False):
+    """ms of one v.step (a step's first micro-batch with first=True); prepare / first run untimed."""
+    if v.prepare is not None:
+        v.prepare()
+    if first:
+        v.first()
+    elif count and v.recasts is not None and v.recasts():
+        v.recast_calls += 1
+    return timed_ms(v.step, cuda)
+
+
 def time_group(variants, iters, warmup, cuda):
-    """{name: [ms per iteration]} of fwd+bwd, the variants interleaved in rotating order; a variant
-    that raises is dropped from the group with its error."""
-    times, failed = {v.name: [] for v in variants}, {}
+    """({name: [ms per cached call]}, {name: [first micro-batch ms - cached ms, per iteration]},
+    {name: error}): fwd+bwd, the variants interleaved in rotating order, each row's first-micro-batch
+    call right after its cached one; a variant that raises is dropped from the group with its error."""
+    times, quant, failed = {v.name: [] for v in variants}, {v.name: [] for v in variants}, {}
     for it in range(warmup + iters):
         live = [v for v in variants if v.name not in failed]
         shift = it % max(1, len(live))
         for v in live[shift:] + live[:shift]:
             try:
-                ms = timed_ms(v.step, cuda)
+                ms = timed_call(v, cuda, count=it >= warmup)
+                first_ms = timed_call(v, cuda, first=True) if v.first is not None else ms
             except Exception as e:  # noqa: BLE001  (one row fails, the table goes on)
                 failed[v.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 continue
             if it >= warmup:
                 times[v.name].append(ms)
-    return times, failed
+                quant[v.name].append(first_ms - ms)
+    return times, quant, failed
 
 
 def refresh_ms(v, cuda, fwd_bwd_ms, n=3):
-    """Median ms to rebuild a variant's cached expert weights after an optimizer step (0: none cached):
-    fp8a2a's rebuild timed alone; TE's recast as a first micro-batch's step minus a plain one."""
-    if v.first_step is not None:
-        return max(0.0, statistics.median(timed_ms(v.first_step, cuda) for _ in range(n)) - fwd_bwd_ms)
-    if v.refresh is None:
+    """Median ms a step's first micro-batch (v.first, then a step) takes over fwd_bwd_ms (0: nothing
+    cached); benchmarks/bench_loopback.py --layer's quant/step (this file pairs them per iteration)."""
+    if v.first is None:
         return 0.0
-    out = []
-    for _ in range(n):
-        fp8a2a.invalidate_fp8_weight_cache()
-        out.append(timed_ms(v.refresh, cuda))
-    return statistics.median(out)
+    return max(0.0, statistics.median(timed_call(v, cuda, first=True) for _ in range(n)) - fwd_bwd_ms)
 
 
 def drop_caches(*modules):
@@ -234,23 +256,25 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
     keep.append(layer)
     spec = layer_variant(SPEC, layer, cfg, x, gy)
     refs = grouped_mlp_variants(shape, layer, x, gy, cuda)
-    return [(opts, [Variant(SPEC + suffix, spec.step, spec.refresh), ref])
+    return [(opts, [Variant(SPEC + suffix, spec.step, spec.prepare, spec.first, cfg, spec.recasts), ref])
             for (suffix, opts), ref in zip(OPTIONS.items(), refs)]
 
 
-def summarize(v, runs, cuda):
-    fails = [f[v.name] for _, f in runs if v.name in f]
+def summarize(v, runs):
+    """runs: [(times, quant, failed)] of time_group. fwd_bwd_ms: the cached per-micro-batch step;
+    refresh_ms: weight quantization per optimizer step (median over runs of the per-run median of the
+    paired first-micro-batch minus cached differences, floored at 0), both from the same calls."""
+    fails = [f[v.name] for _, _, f in runs if v.name in f]
     if fails:
         return {"error": fails[0]}
-    meds = [statistics.median(t[v.name]) for t, _ in runs]
+    meds = [statistics.median(t[v.name]) for t, _, _ in runs]
+    qmeds = [statistics.median(q[v.name]) for _, q, _ in runs]
     r = {"fwd_bwd_ms": statistics.median(meds), "run_medians_ms": meds, "runs_min_ms": min(meds),
-         "runs_max_ms": max(meds), "iter_min_ms": min(min(t[v.name]) for t, _ in runs),
-         "iter_max_ms": max(max(t[v.name]) for t, _ in runs), "_runs": [t[v.name] for t, _ in runs]}
-    try:
-        r["refresh_ms"] = refresh_ms(v, cuda, r["fwd_bwd_ms"])
-        r["step_ms"] = {str(n): r["fwd_bwd_ms"] + r["refresh_ms"] / n for n in MICRO_BATCHES}
-    except Exception as e:  # noqa: BLE001
-        r["refresh_error"] = f"failed: {type(e).__name__}: {e}"[:300]
+         "runs_max_ms": max(meds), "iter_min_ms": min(min(t[v.name]) for t, _, _ in runs),
+         "iter_max_ms": max(max(t[v.name]) for t, _, _ in runs), "_runs": [t[v.name] for t, _, _ in runs],
+         "refresh_ms": max(0.0, statistics.median(qmeds)) if v.first is not None else 0.0,
+         "refresh_run_medians_ms": qmeds if v.first is not None else [], "te_recast_calls": v.recast_calls}
+    r["step_ms"] = {str(n): r["fwd_bwd_ms"] + r["refresh_ms"] / n for n in MICRO_BATCHES}
     return r
 
 
@@ -269,7 +293,7 @@ def run_shape(name, shape, args, cuda):
             impl = keep[0].experts._fp8a2a_impl
             impl.fp8_dgrad, impl.fp8_wgrad = opts.get("fp8_dgrad", False), opts.get("fp8_wgrad", False)
         runs = [time_group(vs, iters, args.warmup, cuda) for _ in range(args.repeat)]
-        rows.update({v.name: summarize(v, runs, cuda) for v in vs})
+        rows.update({v.name: summarize(v, runs) for v in vs})
     for vname, r in rows.items():  # ratios per run, then their median
         if kind == "table":
             base_name = BASELINE
@@ -307,8 +331,11 @@ def format_table(res):
                        f"{fmt(r.get('ratio'), '.3f'):>7} {fmt(r.get('refresh_ms')):>10} "
                        + " ".join(f"{fmt(st.get(str(n))):>8}" for n in MICRO_BATCHES))
     out.append(f"\nratio: against '{BASELINE}' (the 256-expert shape: against FP8GroupedMLP with the same "
-               f"options, target <= {TARGET}); quant/step: FP8 expert weights rebuilt per optimizer step "
-               f"(TE rows: its FP8 weight cast in a step's first micro-batch, after set_is_first_microbatch); step/n: fwd+bwd + quant/step / n micro-batches.")
+               f"options, target <= {TARGET}); median: a cached micro-batch (TE: is_first_microbatch=False, "
+               f"grads set to None outside the timed region, every row alike); quant/step: a step's first "
+               f"micro-batch minus the cached one, paired per iteration in the same run (TE: after "
+               f"set_is_first_microbatch; fp8a2a: its cached FP8 weights dropped); step/n: fwd+bwd + "
+               f"quant/step / n micro-batches.")
     return "\n".join(out)
 
 

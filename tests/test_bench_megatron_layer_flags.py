@@ -1,0 +1,85 @@
+"""benchmarks/bench_megatron_layer.py's timing loop, without a GPU or TE: with a stand-in for
+Megatron's TE linears (is_first_microbatch True after set_is_first_microbatch, passed to TE, then
+False), every timed cached call reuses the cached FP8 weights, only the untimed `first` makes a
+call recast, the gradients are cleared outside the timed step, and the paired quant/step is kept."""
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import bench_megatron_layer as bm  # noqa: E402
+
+
+class FakeTELinear(torch.nn.Module):
+    """Megatron's TEGroupedLinear.forward: passes is_first_microbatch to TE, then sets it False."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4, 4))
+        self.is_first_microbatch = True  # as Megatron's TE wrappers start
+        self.log = log
+
+    def forward(self, x):
+        self.log.append(("call", self.is_first_microbatch, self.weight.grad is None))
+        self.is_first_microbatch = False
+        return x @ self.weight
+
+
+class FakeLayer(torch.nn.Module):
+    def __init__(self, log):
+        super().__init__()
+        self.experts = FakeTELinear(log)
+
+    def set_is_first_microbatch(self):  # MegatronModule.set_is_first_microbatch
+        for m in self.modules():
+            if hasattr(m, "is_first_microbatch"):
+                m.is_first_microbatch = True
+
+    def forward(self, x):
+        return self.experts(x), None
+
+
+def test_te_rows_timed_cached_and_grads_cleared_outside(monkeypatch):
+    log = []
+    layer = FakeLayer(log)
+    cfg = types.SimpleNamespace(fp8=None)  # no TE here: fp8_context is a null context
+    v = bm.layer_variant("te", layer, cfg, torch.ones(2, 4), torch.ones(2, 4))
+    assert v.first is None  # without an FP8 recipe nothing is cached
+    cfg.fp8 = "e4m3"
+    monkeypatch.setattr(bm, "fp8_context", lambda c: __import__("contextlib").nullcontext())
+    v = bm.layer_variant("te", layer, cfg, torch.ones(2, 4), torch.ones(2, 4))
+    assert v.first is not None and v.recasts is not None and v.recasts()
+    timed = []
+    real_timed_ms = bm.timed_ms
+
+    def spy(fn, cuda):
+        timed.append(len(log))
+        return real_timed_ms(fn, cuda)
+    monkeypatch.setattr(bm, "timed_ms", spy)
+    warmup, iters = 2, 3
+    times, quant, failed = bm.time_group([v], iters, warmup, cuda=False)
+    assert not failed and len(times["te"]) == iters and len(quant["te"]) == iters
+    calls = [e for e in log if e[0] == "call"]
+    assert len(calls) == 2 * (warmup + iters)  # a cached call and a first micro-batch per iteration
+    # iteration 0's cached call is the layer's very first (Megatron starts True: it casts, in warm-up);
+    # after it the cached calls pass False, the first-micro-batch calls True, alternating
+    flags = [c[1] for c in calls]
+    assert flags[0] is True and flags[1] is True
+    assert flags[2::2] == [False] * (warmup + iters - 1) and flags[3::2] == [True] * (warmup + iters - 1)
+    assert v.recast_calls == 0  # no timed (post-warm-up) cached call recast
+    assert all(c[2] for c in calls)  # .grad was None at every forward: cleared before each call, untimed
+    r = bm.summarize(v, [(times, quant, failed)])
+    assert r["te_recast_calls"] == 0 and r["refresh_ms"] >= 0 and set(r["step_ms"]) == {"1", "8", "32"}
+
+
+def test_recast_counted_when_a_timed_call_would_recast():
+    log = []
+    layer = FakeLayer(log)
+    v = bm.Variant("te", lambda: layer(torch.ones(1, 4)), recasts=lambda: any(bm.first_microbatch_flags(layer)))
+    v.prepare = layer.set_is_first_microbatch  # a harness that reset the flag before every timed call
+    bm.time_group([v], 2, 1, cuda=False)
+    assert v.recast_calls == 2
