@@ -18,6 +18,18 @@ rewritten after every run; --time-budget starts no round that would not fit, and
 time left than 1.2x the longest finished run (before one has finished: --min-run-s; a cold start
 alone, model build, TE init, torch.compile and the Triton JIT of fp8a2a's kernels, takes 20-30 s),
 so the budget does not cut a run short into a spurious timeout. --dry-run prints the commands.
+
+--resume continues the runs of an existing --json (one device call may not hold them all): the runs
+not in it are run, in the same rotated order, so a round the budget cut continues where it stopped,
+and --runs may grow; under --resume a round is started even where it may not fit (its rest waits for
+the next call). The file must be from the same setup (configurations, --warmup, --iters,
+--log-interval, --script, --args and the run commands they give), else it is refused with a one-line
+error and left as it is. A failed run counts as done (its error stays in the file; delete its entry to
+run it again); a run in flight when a call was killed is not in the file and runs again. The table and
+the per-round ratios cover every run in the file; "calls" lists each call's command, commit and GPU,
+and each run says which call ran it:
+
+    python benchmarks/bench_megatron_training.py --resume --time-budget 550 --json out.json --md out.md
 Without APEX every run gets --no-gradient-accumulation-fusion (Megatron's own output layer needs
 APEX's kernel for it). --eval-iters 0 and a --eval-interval past the run: no evaluation, and
 megatron.training 0.19 divides by --eval-interval when it sizes the datasets (it has no default)."""
@@ -175,7 +187,51 @@ def table(result):
     if failed:
         lines.append(f"\n{len(failed)} run(s) failed: " + ", ".join(f"{r['config']} (round {r['round']})"
                                                                   for r in failed))
+    calls = result.get("calls", [])
+    if len(calls) > 1:  # resumed: say so, and where the calls differ in what they ran on
+        differ = [f"{key} {', '.join(map(str, seen))}" for key in ("gpu", "commit", "versions")
+                  for seen in [list(dict.fromkeys(json.dumps(c.get(key), sort_keys=True) if key == "versions"
+                                                  else c.get(key) for c in calls))] if len(seen) > 1]
+        lines.append(f"\nruns from {len(calls)} calls (resumed)" + (f"; they differ in {'; '.join(differ)}"
+                                                                    if differ else ""))
     return "\n".join(lines)
+
+
+def setup_of(args, names):
+    """What the runs of one results file must share: a resumed file is refused where this differs."""
+    return {"configs": names, "warmup": args.warmup, "iters": args.iters, "log_interval": args.log_interval,
+            "script": os.path.relpath(os.path.abspath(args.script), ROOT), "args": shlex.split(args.args)}
+
+
+def load_resumable(path, setup, run_commands):
+    """The results in PATH to continue, None where there is no such file; ValueError (one line) where
+    the file cannot be continued by this command."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot resume from {path}: {e}") from None
+    if not isinstance(old, dict) or old.get("benchmark") != "megatron_training" or "setup" not in old:
+        raise ValueError(f"cannot resume from {path}: it holds no resumable megatron_training results")
+    there = old["setup"]
+    diff = [f"{k} {there.get(k)!r} there, {v!r} here" for k, v in setup.items() if there.get(k) != v]
+    if not diff:  # the same flags, other commands: the code's model or the APEX fusion flag changed
+        diff = [f"the run command of {n} (code or environment changed)" for n in setup["configs"]
+                if old.get("run_commands", {}).get(n) != run_commands[n]][:1]
+    if diff:
+        raise ValueError(f"refusing to resume {path}: another setup ({'; '.join(diff)}); remove the file or give "
+                         "another --json")
+    return old
+
+
+def save(result, path):
+    """Replace PATH whole (a resumed file must not be left half written by a kill)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 def environment():
@@ -213,6 +269,9 @@ def main(argv=None):
     ap.add_argument("--log-dir", default=None, help="one log per run here (default: beside --json, or ./bench_out)")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every run)")
     ap.add_argument("--md", default=None, help="write the markdown table here")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the runs in --json where it exists (same setup, else refused): only the runs "
+                         "not in it run, and the table covers all of them")
     ap.add_argument("--dry-run", action="store_true", help="print each configuration's command and exit")
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
@@ -223,41 +282,73 @@ def main(argv=None):
             or args.iters <= 0:
         ap.error("--warmup (at least one log interval: Megatron's first logged figure holds iteration 1) and "
                  "--iters must be multiples of --log-interval")
+    if args.resume and not args.json:
+        ap.error("--resume continues the runs in --json: give --json")
     names = [n for n in CONFIGS if n in names]
     if args.dry_run:
         for name in names:
             print(f"{name}: {shown(command(args, name))}")
         return 0
+    setup, run_commands = setup_of(args, names), {n: shown(command(args, n)) for n in names}
+    result = None
+    if args.resume:
+        try:
+            result = load_resumable(args.json, setup, run_commands)
+        except ValueError as e:
+            print(f"bench_megatron_training.py: error: {e}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, _stop)
     log_dir = args.log_dir or os.path.join(os.path.dirname(os.path.abspath(args.json)) if args.json else "bench_out",
                                            "megatron_training_logs")
     os.makedirs(log_dir, exist_ok=True)
-    result = {"benchmark": "megatron_training", "script": os.path.relpath(args.script, ROOT),
-              "command": shlex.join(["python", "benchmarks/bench_megatron_training.py", *(argv or sys.argv[1:])]),
-              "run_commands": {n: shown(command(args, n)) for n in names}, "warmup": args.warmup,
-              "iters": args.iters, "log_interval": args.log_interval, **environment(), "runs": [], "summary": {}}
-    t0, longest_round, longest_run = time.monotonic(), 0.0, 0.0
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    call = {"command": shlex.join(["python", "benchmarks/bench_megatron_training.py", *(argv or sys.argv[1:])]),
+            **environment()}
+    if result is None:
+        result = {"benchmark": "megatron_training", "script": setup["script"], "command": call["command"],
+                  "run_commands": run_commands, "setup": setup, "warmup": args.warmup, "iters": args.iters,
+                  "log_interval": args.log_interval, **{k: v for k, v in call.items() if k != "command"},
+                  "calls": [], "runs": [], "summary": {}}
+    else:
+        result.pop("stopped", None)
+        result.setdefault("calls", [])
+    result["calls"].append({**call, "runs_before": len(result["runs"])})
+    ncall = len(result["calls"])
+    done = {(r["round"], r["config"]) for r in result["runs"]}
+    if args.resume and result["runs"]:
+        todo = sum((rnd + 1, n) not in done for rnd in range(args.runs) for n in names)
+        print(f"resuming {args.json}: {len(done)} run(s) done, {todo} of {args.runs} round(s) x {len(names)} left",
+              flush=True)
+    t0, longest_round = time.monotonic(), 0.0
+    # a finished run of an earlier call is as long as one of this call: each run is a cold start of its own
+    longest_run = max((r["wall_s"] for r in result["runs"] if "error" not in r), default=0.0)
     for rnd in range(args.runs):
+        order = [n for n in names[rnd % len(names):] + names[:rnd % len(names)] if (rnd + 1, n) not in done]
+        if not order:
+            continue
         left = None if args.time_budget is None else args.time_budget - (time.monotonic() - t0)
-        if left is not None and rnd and left < longest_round:
+        # a round cut short is lost without --resume (its ratios want every run); with it, the next call continues it
+        if left is not None and not args.resume and longest_round and left < longest_round:
             result["stopped"] = f"round {rnd + 1} of {args.runs} not started: {left:.0f} s left, a round took " \
                                 f"{longest_round:.0f} s"
             print(result["stopped"], flush=True)
             break
         t_round = time.monotonic()
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+        for name in order:
             timeout = args.run_timeout
             if args.time_budget is not None:
                 left = args.time_budget - (time.monotonic() - t0)
                 need = min(args.run_timeout, 1.2 * longest_run if longest_run else args.min_run_s)
                 if left < need:  # a run the budget would kill is no figure, only an error
                     result["stopped"] = f"out of time in round {rnd + 1}: {name} not started, {left:.0f} s left, " \
-                                        f"a run needs about {need:.0f} s"
+                                        f"a run needs about {need:.0f} s" + \
+                                        ("; the same command continues" if args.resume else "")
                     print(result["stopped"], flush=True)
                     break
                 timeout = min(timeout, left)
             log_path = os.path.join(log_dir, f"run{rnd + 1}_{name.replace('/', '_')}.log")
-            r = {"round": rnd + 1, **run_one(args, name, log_path, timeout)}
+            r = {"round": rnd + 1, **run_one(args, name, log_path, timeout), "call": ncall}
             result["runs"].append(r)
             if "error" not in r:
                 longest_run = max(longest_run, r["wall_s"])
@@ -266,19 +357,19 @@ def main(argv=None):
                   flush=True)
             result["summary"] = summarize(result["runs"], names)
             if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=1)
+                save(result, args.json)
         if "stopped" in result:
             break
         longest_round = max(longest_round, time.monotonic() - t_round)
+    result["summary"] = summarize(result["runs"], names)  # a resumed file with nothing left to run too
     if args.json:  # again: a stop after the last run (or before any) is recorded too
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        save(result, args.json)
     md = table(result)
     print(md)
     if args.md:
         with open(args.md, "w") as f:
-            f.write(f"{md}\n\n`{result['command']}`\n")
+            commands = list(dict.fromkeys([result["command"], *(c["command"] for c in result.get("calls", []))]))
+            f.write(f"{md}\n\n" + "\n".join(f"`{c}`" for c in commands) + "\n")
     return 0 if result["summary"] and not any("error" in r for r in result["runs"]) else 1
 
 

@@ -12,7 +12,13 @@
 #                                          TRAINING_CONFIGS (default all six), TRAINING_ITERS measured iterations
 #                                          (default 50) after 10 of warm-up; TRAINING_ARGS adds Megatron flags; the
 #                                          script is .mlm/pretrain_gpt.py when carried, else the test's mock one, or
-#                                          TRAINING_SCRIPT; SKIP=megatron_training_test runs the benchmark alone)
+#                                          TRAINING_SCRIPT; SKIP=megatron_training_test runs the benchmark alone.
+#                                          18 runs of ~50 s do not fit one call: the runs are kept in TRAINING_STATE
+#                                          (default .training_runs, ignored) and the same command in the next call
+#                                          on a warm machine continues them (--resume; the test runs only in the
+#                                          call that starts them); each call copies the JSON, the table over all
+#                                          runs so far and the run logs to its results. Other settings than the
+#                                          kept runs' are refused: TRAINING_FRESH=1 drops the kept runs first)
 #   bash scripts/gpu_session.sh multi     (several GPUs: the NCCL suite and the all-to-all sweep on all of them)
 #   bash scripts/gpu_session.sh conv      (examples/convergence_megatron.py: seeds $CONV_SEEDS (default "1 2") at
 #                                          once, CONV_JOBS processes each, CONV_STEPS steps; on a machine of several
@@ -171,14 +177,25 @@ if has dispatch; then  # the variant groups in processes of their own (bench_dis
     --json "$LOGS/dispatch.json"
 fi
 if [[ $mode == *,training,* ]]; then
-  step megatron_training_test 200 python3 -m pytest -q -rs tests/gpu/test_megatron_training.py -m gpu
-  targs=(--runs "${TRAINING_RUNS:-3}" --iters "${TRAINING_ITERS:-50}" --json "$LOGS/megatron_training.json"
-         --md "$LOGS/megatron_training.md" --time-budget $((DEADLINE - SECONDS - 15)))
+  tstate=${TRAINING_STATE:-.training_runs}  # an ignored folder of the repo, kept while the machine stays warm
+  [[ ${TRAINING_FRESH:-0} == 1 ]] && rm -rf "$tstate"
+  mkdir -p "$tstate"
+  if [[ -f $tstate/megatron_training.json ]]; then  # a continuing call spends its time on the runs
+    echo "=== megatron_training_test: skipped, continuing the runs in $tstate (TRAINING_FRESH=1 starts over)"
+  else
+    step megatron_training_test 200 python3 -m pytest -q -rs tests/gpu/test_megatron_training.py -m gpu
+  fi
+  targs=(--resume --runs "${TRAINING_RUNS:-3}" --iters "${TRAINING_ITERS:-50}" --json "$tstate/megatron_training.json"
+         --md "$tstate/megatron_training.md" --time-budget $((DEADLINE - SECONDS - 15)))
   [[ -n ${TRAINING_CONFIGS:-} ]] && targs+=(--configs "$TRAINING_CONFIGS")
   [[ -n ${TRAINING_ARGS:-} ]] && targs+=("--args=$TRAINING_ARGS")
   [[ -n ${TRAINING_SCRIPT:-} ]] && targs+=(--script "$TRAINING_SCRIPT")
   TAIL=30 step bench_megatron_training $((DEADLINE - SECONDS - 5)) python3 benchmarks/bench_megatron_training.py \
     "${targs[@]}"
+  # this call's view of all the runs so far (the logs of the earlier calls' runs too)
+  for f in megatron_training.json megatron_training.md megatron_training_logs; do
+    [[ -e $tstate/$f ]] && cp -r "$tstate/$f" "$LOGS/"
+  done
 fi
 has small && step bench_small_model 150 python3 benchmarks/bench_small_model.py --json "$LOGS/small_model.json"
 if has model; then
