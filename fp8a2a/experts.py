@@ -242,11 +242,16 @@ def _row_groups(offs, rows):
     return torch.searchsorted(offs, torch.arange(rows, device=offs.device, dtype=offs.dtype), right=True)
 
 
+def _starts(ends):
+    """Each group's first row from the cumulative group ends."""
+    return F.pad(ends[:-1], (1, 0))
+
+
 def _wgrad_padding(offs, rows):
     """(padded group ends int32 [G], static column bound) of the FP8 weight gradient's operands:
     every group padded to a multiple of 128 tokens (no scale block straddles two experts), computed
     on the device (no host sync) into a buffer of static size."""
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    counts = offs - _starts(offs)
     pad_offs = torch.cumsum((counts + BLOCK - 1) // BLOCK * BLOCK, 0, dtype=torch.int32)
     return pad_offs, (rows + BLOCK - 1) // BLOCK * BLOCK + BLOCK * offs.shape[0]
 
@@ -259,8 +264,7 @@ def _block_col_quant_t(v, offs, pad_offs, mpad):
     CPU path, and the reference of triton_kernels.block_col_quant_t."""
     M, C = v.shape
     gid = _row_groups(offs, M)
-    starts = (offs - torch.diff(offs, prepend=offs.new_zeros(1)))[gid]
-    pstarts = (pad_offs - torch.diff(pad_offs, prepend=pad_offs.new_zeros(1)))[gid]
+    starts, pstarts = _starts(offs)[gid], _starts(pad_offs)[gid]
     padded = v.new_zeros((mpad, C))
     padded[pstarts + torch.arange(M, device=v.device) - starts] = v
     blocks = padded.view(mpad // BLOCK, BLOCK, C)

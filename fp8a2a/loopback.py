@@ -302,11 +302,7 @@ class LoopbackGroup(dist.ProcessGroup):
                           list(output.chunk(self._size)), input)
         return _done([output])
 
-    def all_gather_single(self, output, input, opts=None):
-        return self._all_gather_flat(output, input, opts)
-
-    def _allgather_base(self, output, input, opts=None):
-        return self._all_gather_flat(output, input, opts)
+    all_gather_single = _allgather_base = _all_gather_flat
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
@@ -357,11 +353,7 @@ class LoopbackGroup(dist.ProcessGroup):
         output.copy_(full.reshape(-1).chunk(self._size)[self._rank].view(output.shape))
         return _done([output])
 
-    def reduce_scatter_single(self, output, input, opts=None):
-        return self._reduce_scatter_flat(output, input, opts)
-
-    def _reduce_scatter_base(self, output, input, opts=None):
-        return self._reduce_scatter_flat(output, input, opts)
+    reduce_scatter_single = _reduce_scatter_base = _reduce_scatter_flat
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
