@@ -9,8 +9,10 @@ fc2 2048 -> 7168):
   dense torch._scaled_mm of the same total size (all rows against one expert's weight), the
   ceiling a grouped GEMM can reach;
 - weight gradient: the BF16 path (a BF16 x_hat from the FP8 rows + torch._grouped_mm) against the
-  FP8 path (two fused quantize-transposes at 1 x 128 along the tokens + grouped_wgrad_fp8), each
-  part timed, and the dense torch._scaled_mm of the same size.
+  FP8 path (two fused quantize-transposes at 1 x 128 along the tokens, then either the Triton
+  grouped_wgrad_fp8 or, given the counts on the host, one cuBLAS torch._scaled_mm per expert with
+  1 x 128 scales on both operands), each part timed, and the dense torch._scaled_mm of the same
+  size with row scales and with the same 1 x 128 block scales.
 TFLOP/s count 2 * M * N * K of useful work (no padding). --tiles also times other tiles of the
 Triton GEMMs. Medians of triton.testing.do_bench (CUDA events).
 """
@@ -71,10 +73,18 @@ def run_load(name, E, R, tiles):
         b, sb = tk.block_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)
         gemm_ms = ms(lambda: tk.grouped_wgrad_fp8(a, sa, b, sb, pad_offs))
         whole = ms(lambda: experts._wgrad_fp8(g, xq, xs, offs, torch.bfloat16))
+        counts = [R] * E  # the per-expert cuBLAS GEMMs (host counts)
+        cublas = experts.ExpertsConfig(cublas_wgrad_min_rows_per_expert=0)
+        cublas_gemm = ms(lambda: experts._wgrad_fp8_per_expert(a, sa, b, sb, counts, torch.bfloat16))
+        cublas_whole = ms(lambda: experts._wgrad_fp8(g, xq, xs, offs, torch.bfloat16, counts, cublas))
         dense_w = dense_fp8_ms(n, k, M)
+        dense_block = ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa.t(), scale_b=sb, out_dtype=torch.bfloat16))
         row.update(wgrad_bf16_ms=bf16, wgrad_bf16_tflops=tflops(n, k, M, bf16), wgrad_fp8_ms=whole,
                    wgrad_fp8_quant_g_ms=quant_g, wgrad_fp8_quant_x_ms=quant_x, wgrad_fp8_gemm_ms=gemm_ms,
-                   wgrad_fp8_gemm_tflops=tflops(n, k, M, gemm_ms), wgrad_dense_fp8_tflops=tflops(n, k, M, dense_w))
+                   wgrad_fp8_gemm_tflops=tflops(n, k, M, gemm_ms), wgrad_dense_fp8_tflops=tflops(n, k, M, dense_w),
+                   wgrad_fp8_cublas_ms=cublas_whole, wgrad_fp8_cublas_gemm_ms=cublas_gemm,
+                   wgrad_fp8_cublas_gemm_tflops=tflops(n, k, M, cublas_gemm),
+                   wgrad_dense_block_fp8_tflops=tflops(n, k, M, dense_block))
         if tiles:
             row["wgrad_tiles"] = {}
             for tl in WGRAD_TILES:
@@ -88,14 +98,17 @@ def run_load(name, E, R, tiles):
 
 def table(rows):
     lines = ["| load | GEMM | fwd TFLOP/s (of dense) | dense FP8 TFLOP/s | wgrad BF16 ms | wgrad FP8 ms "
-             "(quant dY + quant x + GEMM) | FP8 wgrad GEMM TFLOP/s |", "|---|---|---|---|---|---|---|"]
+             "(quant dY + quant x + GEMM) | FP8 wgrad GEMM TFLOP/s | wgrad FP8, cuBLAS per expert: ms, GEMM "
+             "TFLOP/s | dense 1 x 128 FP8 TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for gemm in ("fc1", "fc2"):
             x = r[gemm]
             lines.append(f"| {r['experts']} x {r['rows_per_expert']} | {gemm} | {x['fwd_tflops']:.0f} "
                          f"({x['fwd_of_dense']:.2f}) | {x['dense_fp8_tflops']:.0f} | {x['wgrad_bf16_ms']:.3f} | "
                          f"{x['wgrad_fp8_ms']:.3f} ({x['wgrad_fp8_quant_g_ms']:.3f} + {x['wgrad_fp8_quant_x_ms']:.3f}"
-                         f" + {x['wgrad_fp8_gemm_ms']:.3f}) | {x['wgrad_fp8_gemm_tflops']:.0f} |")
+                         f" + {x['wgrad_fp8_gemm_ms']:.3f}) | {x['wgrad_fp8_gemm_tflops']:.0f} | "
+                         f"{x['wgrad_fp8_cublas_ms']:.3f}, {x['wgrad_fp8_cublas_gemm_tflops']:.0f} | "
+                         f"{x['wgrad_dense_block_fp8_tflops']:.0f} |")
     return "\n".join(lines)
 
 

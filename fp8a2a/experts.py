@@ -74,14 +74,24 @@ class ExpertsConfig:
     triton_backward:          the BF16 backward GEMMs use the Triton kernels even where
                               torch._grouped_mm runs (tests; torch builds without a working
                               _grouped_mm fall back by themselves).
+    cublas_wgrad_min_rows_per_expert:
+                              average rows per expert from which the FP8 weight gradient runs one
+                              cuBLAS GEMM per expert (torch._scaled_mm, 1 x 128 scales on both
+                              operands: faster than the Triton grouped GEMM on large groups,
+                              BENCHMARKS.md), when tokens_per_expert is on the host (the loop needs
+                              the group bounds there, and a host sync is never added for them);
+                              below it, or with device counts, the Triton grouped GEMM. 0: always
+                              cuBLAS given host counts.
     """
     block128_native: bool = True
     tma_max_rows_per_expert: int = 4096
     triton_backward: bool = False
+    cublas_wgrad_min_rows_per_expert: int = 1024
 
     def __post_init__(self):
-        if int(self.tma_max_rows_per_expert) < 0:
-            raise ValueError(f"fp8a2a: tma_max_rows_per_expert must be >= 0, got {self.tma_max_rows_per_expert}")
+        for name in ("tma_max_rows_per_expert", "cublas_wgrad_min_rows_per_expert"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"fp8a2a: {name} must be >= 0, got {getattr(self, name)}")
 
 
 def _check_backend(backend: str):
@@ -178,9 +188,8 @@ def _warn_fp8_wgrad_unavailable(backend):
                   "weight gradient here", RuntimeWarning, stacklevel=4)
 
 
-def _warn_refused(err):
-    warnings.warn(f"fp8a2a: torch._scaled_grouped_mm refused this shape ({err}); using the Triton grouped GEMM",
-                  RuntimeWarning, stacklevel=3)
+def _warn_refused(err, op="torch._scaled_grouped_mm refused this shape"):
+    warnings.warn(f"fp8a2a: {op} ({err}); using the Triton grouped GEMM", RuntimeWarning, stacklevel=3)
 
 
 def _mm_fp8(cfg, xq, xs, wq, sw, offs):
@@ -280,26 +289,61 @@ def _wgrad_fp8_reference(g, x_hat, offs, num_experts):
     return _ref_wgrad(deq[0].t(), deq[1].t(), pad_offs, num_experts)
 
 
-def _wgrad_fp8(g, xq, xs, offs, out_dtype):
+_CUBLAS_BLOCKWISE_REFUSED = set()  # devices whose torch._scaled_mm refused 1 x 128 x 1 x 128 scales
+
+
+def _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype):
+    """[E, out_f, in_f] from block_col_quant_t's operands, one cuBLAS blockwise GEMM per expert over
+    its padded token columns (host counts: the bounds of each call); None where torch refuses."""
+    out = torch.empty((len(counts), a.shape[0], b.shape[0]), device=a.device, dtype=out_dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        n = -(-n // BLOCK) * BLOCK
+        if n == 0:
+            out[e].zero_()
+            continue
+        k0, k1 = start // BLOCK, (start + n) // BLOCK
+        try:  # scale_a [out_f, n/128] and scale_b [n/128, in_f], outer dimension fastest, as cuBLAS reads them
+            torch._scaled_mm(a[:, start:start + n], b[:, start:start + n].t(), scale_a=sa[k0:k1].t(),
+                             scale_b=sb[k0:k1], out_dtype=out_dtype, out=out[e])
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # a torch or cuBLAS without blockwise scaling: the Triton GEMM
+            _CUBLAS_BLOCKWISE_REFUSED.add(a.device)
+            _warn_refused(err, "torch._scaled_mm refused 1 x 128 block scales")
+            return None
+        start += n
+    return out
+
+
+def _wgrad_fp8(g, xq, xs, offs, out_dtype, counts=None, tuning=ExpertsConfig()):
     """[E, out_f, in_f] = g_e^T @ x_hat_e from e4m3 operands quantized per 128 tokens and column by
-    one fused quantize-transpose each (x_hat read from the saved FP8 rows), one grouped GEMM."""
+    one fused quantize-transpose each (x_hat read from the saved FP8 rows); then one cuBLAS GEMM per
+    expert (host counts, large groups: ExpertsConfig.cublas_wgrad_min_rows_per_expert) or one
+    Triton grouped GEMM."""
     tk = triton_kernels()
     pad_offs, mpad = _wgrad_padding(offs, g.shape[0])
+    per_expert = (counts is not None and g.device not in _CUBLAS_BLOCKWISE_REFUSED
+                  and g.shape[0] >= tuning.cublas_wgrad_min_rows_per_expert * len(counts))
+    if per_expert:  # the exact padded width: no scale block past the last group
+        mpad = sum(-(-n // BLOCK) * BLOCK for n in counts)
     a, sa = tk.block_col_quant_t(g, offs, pad_offs, mpad)  # g^T [out_f, mpad]
     b, sb = tk.block_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [in_f, mpad]
-    return tk.grouped_wgrad_fp8(a, sa, b, sb, pad_offs, out_dtype=out_dtype)
+    out = _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype) if per_expert else None
+    return out if out is not None else tk.grouped_wgrad_fp8(a, sa, b, sb, pad_offs, out_dtype=out_dtype)
 
 
-def _wgrad(cfg, g, xq, xs, offs, weight):
+def _wgrad(cfg, g, xq, xs, offs, weight, counts=None):
     """[E, N, K] in weight.dtype = g[rows of e]^T @ x_hat[rows of e], x_hat = xs * xq (cfg.fp8_wgrad:
-    both operands quantized per 128 tokens of an expert and column first)."""
+    both operands quantized per 128 tokens of an expert and column first). counts: the rows per
+    expert on the host, or None."""
     E = weight.shape[0]
     if g.shape[0] == 0:
         return torch.zeros_like(weight)
     if cfg.fp8_wgrad and cfg.backend == "reference":
         return _wgrad_fp8_reference(g, _dequant(xq, xs), offs, E).to(weight.dtype)
     if cfg.fp8_wgrad and triton_kernels() is not None and triton_kernels().tma_ok(g.device):
-        return _wgrad_fp8(g, xq, xs, offs, weight.dtype)
+        return _wgrad_fp8(g, xq, xs, offs, weight.dtype, counts, cfg.tuning)
     if cfg.fp8_wgrad:
         _warn_fp8_wgrad_unavailable(cfg.backend)
     if cfg.backend == "reference":
@@ -367,13 +411,13 @@ def _saved(ctx):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xq, xs, anchor, weight, rw, offs, cfg, grad_mode):
+    def forward(ctx, xq, xs, anchor, weight, rw, offs, counts, cfg, grad_mode):
         # an FP8 dgrad will want the transposed copy: build it with the row-wise one (one read less).
         # needs_input_grad ignores grad mode (a parameter reads True under no_grad): grad_mode is the caller's
         wq, sw = fp8_weight(weight, with_transposed=grad_mode and cfg.fp8_dgrad and ctx.needs_input_grad[2])
         y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
         _save(ctx, xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
-        ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
+        ctx.cfg, ctx.counts, ctx.anchor_dtype = cfg, counts, (anchor.dtype if anchor is not None else None)
         return y
 
     @staticmethod
@@ -389,13 +433,13 @@ class _GroupedLinear(torch.autograd.Function):
             gx = _dgrad(ctx.cfg, dy, weight, offs)  # dY @ W, before the router weights
             dx = (gx if rw is None else gx * rw.to(torch.float32)[:, None]).to(ctx.anchor_dtype)
         if need_w:
-            dw = _wgrad(ctx.cfg, dy, xq, _fold(xs, rw), offs, weight)
-        return None, None, dx, dw, drw, None, None, None
+            dw = _wgrad(ctx.cfg, dy, xq, _fold(xs, rw), offs, weight, ctx.counts)
+        return None, None, dx, dw, drw, None, None, None, None
 
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, cfg, grad_mode):
+    def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, counts, cfg, grad_mode):
         # the backward's FP8 dgrads: fc1's for dx, fc2's for anything before it (grad_mode: as above)
         g = ctx.needs_input_grad
         w1q, s1 = fp8_weight(w1, with_transposed=grad_mode and cfg.fp8_dgrad and g[2])
@@ -404,30 +448,30 @@ class _GroupedMLP(torch.autograd.Function):
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
         y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
         _save(ctx, xq, xs, z, hq, hs, w1, w2, rw, offs)
-        ctx.cfg, ctx.anchor_dtype = cfg, (anchor.dtype if anchor is not None else None)
+        ctx.cfg, ctx.counts, ctx.anchor_dtype = cfg, counts, (anchor.dtype if anchor is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, z, hq, hs, w1, w2, rw, offs = _saved(ctx)
         cfg = ctx.cfg
-        _, _, need_x, need_w1, need_w2, need_rw, _, _, _ = ctx.needs_input_grad
+        _, _, need_x, need_w1, need_w2, need_rw, _, _, _, _ = ctx.needs_input_grad
         dy = dy.to(torch.bfloat16).contiguous()
         dx = dw1 = dw2 = None
         if need_w2:
-            dw2 = _wgrad(cfg, dy, hq, hs, offs, w2)
+            dw2 = _wgrad(cfg, dy, hq, hs, offs, w2, ctx.counts)
         if not (need_x or need_w1 or need_rw):
-            return None, None, None, None, dw2, None, None, None, None
+            return None, None, None, None, dw2, None, None, None, None, None
         dh = _dgrad(cfg, dy, w2, offs)
         dz, drw = _act_bwd(cfg, z, dh, rw)
         del dh
         if need_w1:
-            dw1 = _wgrad(cfg, dz, xq, xs, offs, w1)
+            dw1 = _wgrad(cfg, dz, xq, xs, offs, w1, ctx.counts)
         if need_x:
             dx = _dgrad(cfg, dz, w1, offs).to(ctx.anchor_dtype)
         if drw is not None:
             drw = drw.to(rw.dtype)
-        return None, None, dx, dw1, dw2, drw if need_rw else None, None, None, None
+        return None, None, dx, dw1, dw2, drw if need_rw else None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,6 +509,8 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
         if bool((counts < 0).any()) or int(counts.sum()) != rows:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
                              f"but the input has {rows} rows (they must match, no count negative)")
+    # host counts cost nothing to keep: the FP8 wgrad's per-expert GEMMs take their bounds
+    host = tuple(tpe.tolist()) if tpe.device.type == "cpu" and device.type != "cpu" else None
     tpe = tpe.to(device, non_blocking=True)
     offs = torch.cumsum(tpe, 0, dtype=torch.int32)
     capturing = offs.is_cuda and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
@@ -472,7 +518,7 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
         # a negative count would make the offsets go back: the GEMMs would read outside the groups
         torch._assert_async((offs[-1] == rows) & (tpe.min() >= 0),
                             "fp8a2a: tokens_per_expert does not sum to the rows given, or a count is negative")
-    return offs
+    return offs, host
 
 
 def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights):
@@ -488,9 +534,9 @@ def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_w
     if xs.dim() == 0:  # tensor scale: a row scale that every row shares
         xs = xs.reshape(1).expand(M)
     be = resolve_backend(backend, xq.device)
-    offs = _offsets(tokens_per_expert, M, num_experts, xq.device, check)
+    offs, counts = _offsets(tokens_per_expert, M, num_experts, xq.device, check)
     anchor = q.grad_anchor if torch.is_grad_enabled() else None
-    return xq, xs, anchor, offs, be
+    return xq, xs, anchor, offs, counts, be
 
 
 def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: Optional[torch.Tensor] = None,
@@ -508,11 +554,11 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
     False = no check."""
     if weight.dim() != 3:
         raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
-    xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend, check,
-                                        router_weights)
+    xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend,
+                                                check, router_weights)
     cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad,
                tuning=_checked_config(config))
-    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, cfg, torch.is_grad_enabled())
+    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, counts, cfg, torch.is_grad_enabled())
 
 
 class FP8GroupedMLP(torch.nn.Module):
@@ -548,10 +594,10 @@ class FP8GroupedMLP(torch.nn.Module):
             self.fc2_weight.uniform_(-1 / math.sqrt(self.ffn_hidden), 1 / math.sqrt(self.ffn_hidden))
 
     def forward(self, q, tokens_per_expert, router_weights: Optional[torch.Tensor] = None, *, check=None):
-        xq, xs, anchor, offs, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
-                                            self.backend, check, router_weights)
+        xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
+                                                    self.backend, check, router_weights)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)
-        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, cfg,
+        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, counts, cfg,
                                  torch.is_grad_enabled())
 
     def extra_repr(self):

@@ -6,6 +6,7 @@ Ground truth is float64 with the straight-through rules of fp8a2a/experts.py spe
 values use the FP8 input, FP8 weights (per output channel), a bf16 fc1 output and a per-row FP8
 activation; gradients flow to the input and the master weights as if no quantization happened."""
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -710,6 +711,33 @@ def test_gpu_fp8_wgrad_grouped_linear_vs_emulation(granularity):
         dws.append(w.grad)
         w.grad = None
     assert rel(dws[1], dws[0]) < 1e-2 and dws[1][1].abs().max() == 0
+
+
+@gpu
+@pytest.mark.parametrize("tpe", [GPU_TPE, [0, 1000, 0, 129], [300]], ids=["uneven", "empty", "one_expert"])
+def test_gpu_fp8_wgrad_per_expert_cublas(tpe):
+    """Host counts: the FP8 wgrad's per-expert cuBLAS GEMMs (1 x 128 scales on both operands) give
+    the emulated gradient up to accumulation order, and the Triton grouped GEMM's (device counts) to
+    within the bf16 output's rounding; zeros for an expert without rows; no fallback taken."""
+    torch.manual_seed(21)
+    w = (torch.randn(len(tpe), 768, 2048, device="cuda") * 0.02).bfloat16().requires_grad_()
+    x, rw = torch.randn(sum(tpe), 2048, device="cuda"), torch.rand(sum(tpe), device="cuda")
+    q = make_q(x)
+    dy = torch.randn(sum(tpe), 768, generator=torch.Generator().manual_seed(22)).to("cuda", torch.bfloat16)
+    dws = []
+    for be, counts in (("reference", torch.tensor(tpe)), ("scaled_grouped_mm", torch.tensor(tpe)),
+                       ("scaled_grouped_mm", torch.tensor(tpe, device="cuda"))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a refused cuBLAS call would warn and fall back
+            grouped_linear(q, w, counts, rw, backend=be, fp8_wgrad=True,
+                           config=ExpertsConfig(cublas_wgrad_min_rows_per_expert=0)).backward(dy)
+        dws.append(w.grad)
+        w.grad = None
+    assert not experts._CUBLAS_BLOCKWISE_REFUSED
+    assert rel(dws[1], dws[0]) < 1e-2 and rel(dws[1], dws[2]) < 5e-3
+    for e, n in enumerate(tpe):
+        if n == 0:
+            assert dws[1][e].abs().max() == 0
 
 
 @gpu

@@ -314,9 +314,11 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
                 tokens = dequantize(tokens, out.handle.dtype)
         else:
             tokens = _attach(carrier, tokens)
-        if self.deliver_fp8:
-            return tokens, out.tokens_per_expert, probs
+        if self.deliver_fp8 and (not out.tokens_per_expert.is_cuda or torch.cuda.is_current_stream_capturing()):
+            return tokens, out.tokens_per_expert, probs  # (a graph cannot copy host counts in)
         counts = out.handle.tokens_per_expert_list
+        if self.deliver_fp8:  # host counts: the FP8 wgrad's per-expert GEMMs take their bounds
+            return tokens, torch.tensor(counts, dtype=torch.int64), probs
         if self.pad_multiple > 1:
             tokens, probs, counts = self._pad_for_quantization(tokens, probs, counts, out.tokens_per_expert)
         # Megatron's experts call tokens_per_expert.tolist(): a host tensor costs no sync
