@@ -101,7 +101,8 @@ def make_layer(shape, dispatcher, experts, recipe, opts, cuda, ep=1):
     if recipe:
         kw.update(fp8="e4m3", fp8_recipe=recipe, moe_router_padding_for_quantization=True)
     cfg = TransformerConfig(**kw)
-    for k, v in {"bf16_below_bytes": 0, **opts}.items():
+    # the experts named: under a TE FP8 recipe a run that names none gets the FP8 experts
+    for k, v in {"bf16_below_bytes": 0, "experts": "fp8" if experts == "fp8" else "megatron", **opts}.items():
         setattr(cfg, "fp8a2a_" + k, v)
     spec = get_moe_module_spec(use_te=te, num_experts=E, moe_grouped_gemm=te)
     if experts == "fp8":

@@ -176,13 +176,13 @@ def summarize(runs, names):
 
 
 def table(result):
-    n = max((len(r["runs_ms"]) for r in result["summary"].values()), default=0)
-    lines = [f"| configuration | iteration (ms), median [min-max] of {n} runs | speedup over `alltoall` "
-             "(same precision), per round |", "| --- | --- | --- |"]
+    lines = ["| configuration | runs | iteration (ms), median [min-max] | speedup over `alltoall` (same precision), "
+             "per round: median [min-max] (rounds) |", "| --- | --- | --- | --- |"]
     for name, r in result["summary"].items():
-        speed = (f"{r['speedup']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]" if "speedup" in r
-                 else "baseline" if name == baseline(name) else "-")
-        lines.append(f"| {r['label']} | {r['ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] | {speed} |")
+        speed = (f"{r['speedup']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}] ({r['speedup_runs']})"
+                 if "speedup" in r else "baseline" if name == baseline(name) else "-")
+        lines.append(f"| {r['label']} | {len(r['runs_ms'])} | {r['ms']:.1f} [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
+                     f"| {speed} |")
     failed = [r for r in result["runs"] if "error" in r]
     if failed:
         lines.append(f"\n{len(failed)} run(s) failed: " + ", ".join(f"{r['config']} (round {r['round']})"

@@ -124,7 +124,8 @@ def build_model(cfg, arm, device):
         kw.update(fp8="e4m3", fp8_recipe=cfg.fp8_recipe, moe_router_padding_for_quantization=True)
     config = TransformerConfig(**kw)
     if dispatcher == fm.FP8_ALLTOALL:
-        for k, v in {"bf16_below_bytes": 0, **opts}.items():  # FP8 on the wire even at world size 1
+        # FP8 on the wire even at world size 1; the experts named (the recipe would pick the FP8 ones)
+        for k, v in {"bf16_below_bytes": 0, "experts": "fp8" if fp8_experts else "megatron", **opts}.items():
             setattr(config, "fp8a2a_" + k, v)
     if cfg.te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.experts, moe_grouped_gemm=True)

@@ -64,7 +64,7 @@ def test_bench_megatron_training_alternates_and_parses(tmp_path):
     assert s["fp8a2a-te/blockwise"]["ms"] == 80.0 and "speedup" not in s["fp8a2a-te/blockwise"]  # no baseline run
     assert all(x["logged_ms"] == [s[x["config"]]["ms"]] * 2 for x in res["runs"])  # iterations 11-30 only
     assert "--no-gradient-accumulation-fusion" in res["run_commands"]["alltoall/bf16"]
-    assert "| `fp8_alltoall` + fp8a2a experts (`--fp8a2a-experts fp8`), BF16 | 50.0 [50.0-50.0] | 2.00x [2.00-2.00] |" \
+    assert "| `fp8_alltoall` + fp8a2a experts (`--fp8a2a-experts fp8`), BF16 | 2 | 50.0 [50.0-50.0] | 2.00x [2.00-2.00] (2) |" \
         in (tmp_path / "bench.md").read_text()
 
 
@@ -139,8 +139,8 @@ def test_bench_megatron_training_resumes_a_cut_run_and_refuses_another_setup(tmp
     assert s["fp8a2a-fp8/bf16"]["speedup"] == 2.0 and s["fp8a2a-fp8/bf16"]["speedup_runs"] == 2
     assert s["fp8a2a-te/bf16"]["speedup"] == 1.25 and s["fp8a2a-te/bf16"]["speedup_runs"] == 2
     md = (tmp_path / "bench.md").read_text()
-    assert "median [min-max] of 2 runs" in md and "runs from 2 calls (resumed)" in md
-    assert "| `fp8_alltoall` + TE experts (`--fp8a2a-experts megatron`), BF16 | 80.0 [80.0-80.0] | 1.25x" in md
+    assert "| 2 | " in md and "runs from 2 calls (resumed)" in md
+    assert "| `fp8_alltoall` + TE experts (`--fp8a2a-experts megatron`), BF16 | 2 | 80.0 [80.0-80.0] | 1.25x" in md
 
     done = (tmp_path / "bench.json").read_text()
     for other, why in ((("--iters", "30"), "iters 20 there, 30 here"),

@@ -137,6 +137,8 @@ if HAVE_FP8_EXPERTS:
     # not padded; config.fp8 set: the FP8 dgrad by default (options.recipe_gradients)
     CASES["fp8_experts_pad_for_quantization"] = dict(fp8=True, tol=bound(4, 7, 5, 5), fp8_experts=True,
                                                      after=PAD)
+    # the same from the plain spec: under a TE FP8 recipe the experts default to fp8a2a's (options.recipe_experts)
+    CASES["recipe_picks_fp8_experts"] = dict(fp8=True, tol=bound(4, 7, 5, 5), recipe_experts=True, after=PAD)
 
 
 def inputs(c, rank):
@@ -161,6 +163,9 @@ def layer_scenario(rank, world, case):
         over = dict(num_moe_experts=c["experts"], moe_router_topk=c["topk"], hidden_size=c["hidden"],
                     **c.get("config", {}))
         over.setdefault("fp8a2a_bf16_below_bytes", 0 if c["fp8"] else RAW)
+        fp8_experts = c.get("fp8_experts", False) or c.get("recipe_experts", False)
+        if not fp8_experts:  # Megatron's experts, whatever the recipe would pick
+            over.setdefault("fp8a2a_experts", "megatron")
         ref_over = {k: v for k, v in over.items() if not k.startswith("fp8a2a_")}
         torch.manual_seed(1)
         ref = build(moe_spec(c["experts"]), make_config("allgather", **ref_over))
@@ -170,13 +175,13 @@ def layer_scenario(rank, world, case):
         torch.manual_seed(1)
         mine = build(moe_spec(c["experts"], c.get("fp8_experts", False)), cfg)
         assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher)
-        if c.get("fp8_experts", False):
+        if fp8_experts:
             impl = mine.experts._fp8a2a_impl
             recipe = bool(c.get("after", {}).get("fp8"))  # a TE FP8 recipe: the FP8 dgrad by default
             assert (impl.fp8_dgrad, impl.fp8_wgrad) == (over.get("fp8a2a_fp8_dgrad", recipe),
                                                         over.get("fp8a2a_fp8_wgrad", False))
         assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL
-        assert mine.token_dispatcher.deliver_fp8 == c.get("fp8_experts", False)
+        assert mine.token_dispatcher.deliver_fp8 == fp8_experts
         assert list(mine.state_dict()) == list(ref.state_dict())  # same parameters, same checkpoint layout
         mine.load_state_dict(ref.state_dict())
 
@@ -473,10 +478,14 @@ def _granularity_in_child(rank, world, fp8_experts, recipe, over):
         ps.destroy_model_parallel()
 
 
+MEGATRON_EXPERTS = {"fp8a2a_experts": "megatron"}  # else the recipe picks the FP8 experts (options.recipe_experts)
+
+
 @pytest.mark.parametrize("fp8_experts,recipe,over,want", [
-    (False, "blockwise", {}, "block128"), (False, "tensorwise", {}, "row"),
-    (False, "blockwise", {"fp8a2a_granularity": "tensor"}, "tensor"),
-    pytest.param(True, "blockwise", {}, "row", marks=pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="no FP8 experts"))])
+    (False, "blockwise", MEGATRON_EXPERTS, "block128"), (False, "tensorwise", MEGATRON_EXPERTS, "row"),
+    (False, "blockwise", {**MEGATRON_EXPERTS, "fp8a2a_granularity": "tensor"}, "tensor"),
+    pytest.param(True, "blockwise", {}, "row", marks=pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="no FP8 experts")),
+    pytest.param(False, "blockwise", {}, "row", marks=pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="no FP8 experts"))])
 def test_layer_dispatcher_takes_the_recipe_granularity(fp8_experts, recipe, over, want):
     """Through MoELayer on 2 ranks: the Dispatcher is built once, after the experts, on every rank (its
     agreement collective would hang or raise otherwise)."""
@@ -830,6 +839,42 @@ def test_experts_option_swaps_the_experts_of_megatrons_layer_spec():
         assert got[2] == base[2], how  # Megatron's parameters (and so its checkpoint keys)
     assert run_ranks(1, _layer_experts_in_child, fm.FP8_ALLTOALL, "flag_megatron")[0][:2] == ("SequentialMLP", False)
     assert run_ranks(1, _layer_experts_in_child, "allgather", "config")[0][0] == "SequentialMLP"
+
+
+def _recipe_experts_in_child(rank, world, over):
+    """A GPT layer (Megatron's local spec) built under a TE FP8 recipe (config.fp8 set after
+    construction: megatron-core refuses it without TE): (experts class, warnings) or the error."""
+    import warnings
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    init_parallel(world)
+    try:
+        cfg = make_config(fm.FP8_ALLTOALL, **over)
+        cfg.fp8 = "e4m3"
+        spec = with_portable_router(get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                layer = build(spec, cfg)
+            except ValueError as e:
+                return f"ValueError: {e}"
+        return type(layer.mlp.experts).__name__, [str(w.message) for w in seen if "keeps Megatron" in str(w.message)]
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+def test_te_fp8_recipe_picks_the_fp8_experts_where_they_fit():
+    """Under a TE FP8 recipe a run that chose no experts gets fp8a2a's FP8 experts; a layer they do
+    not cover (bias) keeps Megatron's, with a warning; a run that asked for them gets the error;
+    --fp8a2a-experts megatron keeps Megatron's without a word."""
+    assert run_ranks(1, _recipe_experts_in_child, {})[0] == ("FP8SequentialMLP", [])
+    name, warned = run_ranks(1, _recipe_experts_in_child, {"add_bias_linear": True})[0]
+    assert name == "SequentialMLP" and len(warned) == 1 and "add_bias_linear" in warned[0]
+    err = run_ranks(1, _recipe_experts_in_child, {"add_bias_linear": True, "fp8a2a_experts": "fp8"})[0]
+    assert err.startswith("ValueError") and "add_bias_linear" in err
+    assert run_ranks(1, _recipe_experts_in_child, {"fp8a2a_experts": "megatron"})[0] == ("SequentialMLP", [])
+    assert fm.resolve(argparse.Namespace(fp8="e4m3")).experts.impl == "fp8"
+    assert fm.resolve(argparse.Namespace(fp8=None)).experts.impl == "megatron"
 
 
 def test_experts_option_values():

@@ -49,7 +49,8 @@ Experts: Megatron's own experts (SequentialMLP, TEGroupedMLP, ...) receive dequa
 activation dtype; the wire still carries FP8. `fp8_experts_spec(spec)` swaps in FP8 experts that
 keep Megatron's parameters and checkpoint layout and take the FP8 rows straight into FP8GroupedMLP;
 the option `experts` (`--fp8a2a-experts fp8`, config.fp8a2a_experts, register(experts="fp8")) does
-the same for every fp8_alltoall layer, at build time.
+the same for every fp8_alltoall layer, at build time; a run that sets none gets them under a TE FP8
+recipe (options.recipe_experts).
 
 Launcher: `python -m fp8a2a.megatron.run SCRIPT.py ARGS...` (or under torchrun) calls register()
 and runs the script as `__main__` (fp8a2a/megatron/run.py).
@@ -61,7 +62,7 @@ import sys
 import warnings
 
 from .options import (CAPACITY_MODES, EXPERT_IMPLS, FP8_ALLTOALL, GRANULARITIES, Options, resolve,  # noqa: F401
-                      set_defaults)
+                      experts_chosen, set_defaults)
 
 __all__ = ["register", "unregister", "is_registered", "add_arguments", "extra_args_provider", "fp8_experts_spec",
            "FP8_ALLTOALL", "Options", "resolve", "FP8AlltoAllTokenDispatcher"]
@@ -110,9 +111,10 @@ def add_arguments(parser):
                    help=f"dispatch inputs smaller than this many bytes per rank unquantized "
                         f"(default {d.bf16_below_bytes}; 0 = always FP8)")
     g.add_argument("--fp8a2a-experts", choices=list(EXPERT_IMPLS), default=None,
-                   help="experts of every fp8_alltoall MoE layer: megatron (default): the layer spec's own, on "
-                        "dequantized rows; fp8: fp8a2a's FP8 experts (as fp8_experts_spec) on the FP8 rows, "
-                        "with Megatron's parameters and checkpoint layout")
+                   help="experts of every fp8_alltoall MoE layer: megatron: the layer spec's own, on dequantized "
+                        "rows; fp8: fp8a2a's FP8 experts (as fp8_experts_spec) on the FP8 rows, with Megatron's "
+                        "parameters and checkpoint layout (default: fp8 under a TE FP8 recipe (--fp8-format) "
+                        "where they cover the layer, else megatron)")
     g.add_argument("--fp8a2a-fp8-dgrad", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8 experts (--fp8a2a-experts fp8): FP8 input-gradient GEMMs (default: FP8 under a TE "
                         "FP8 recipe (--fp8-format), else BF16)")
@@ -194,19 +196,29 @@ def _patch_moe_layer():
     _patch(ml.MoELayer, "__init__", __init__)
 
 
+@functools.lru_cache(None)
+def _warn_kept_experts(reason):
+    warnings.warn(f"fp8a2a: this layer keeps Megatron's experts under the TE FP8 recipe ({reason}); "
+                  "--fp8a2a-experts megatron silences this", RuntimeWarning, stacklevel=4)
+
+
 def _with_chosen_experts(config, args, kwargs):
     """MoELayer.__init__'s (args, kwargs) with the experts the options choose (--fp8a2a-experts):
     unchanged for Megatron's, else the submodules (positional after config, or keyword) with the
     FP8 counterpart of the spec's experts class (experts.fp8_experts_spec's swap)."""
     if resolve(config).experts.impl != "fp8":
         return args, kwargs
-    from .experts import fp8_experts_spec
+    from .experts import check_config, fp8_experts_spec
 
     positional = "submodules" not in kwargs and len(args) > 0
     submodules = args[0] if positional else kwargs.get("submodules")
     try:
+        check_config(config)
         submodules = fp8_experts_spec(submodules)
     except ValueError as e:
+        if not experts_chosen(config):  # the recipe's default (options.recipe_experts): Megatron's experts stay
+            _warn_kept_experts(str(e))
+            return args, kwargs
         experts = getattr(submodules, "experts", None)
         experts = getattr(experts, "module", getattr(experts, "func", experts))
         raise ValueError(f"fp8a2a: --fp8a2a-experts fp8: no FP8 experts for this layer's experts "

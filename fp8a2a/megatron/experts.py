@@ -46,6 +46,17 @@ def _activation_name(config) -> str:
                      f"activation_func={act}, gated_linear_unit={gated}")
 
 
+def check_config(config) -> str:
+    """The FP8 experts' activation for a layer built from config; ValueError naming what they do not
+    support (bias, probs on the input, the activation, a CUDA-graph setting)."""
+    if getattr(config, "add_bias_linear", False):
+        raise ValueError("fp8a2a: FP8 experts do not support add_bias_linear")
+    if getattr(config, "moe_apply_probs_on_input", False):
+        raise ValueError("fp8a2a: FP8 experts do not support moe_apply_probs_on_input")
+    check_cuda_graphs(config)
+    return _activation_name(config)
+
+
 def check_cuda_graphs(config):
     """Refuses a CUDA-graph setting that captures the FP8 experts where their cached FP8 weights
     (checked for staleness in Python, which a replay skips) cannot be kept current. Under Megatron's
@@ -111,12 +122,7 @@ class _FP8ExpertsMixin:
         from ..experts import FP8GroupedMLP  # lazily: written alongside, and it pulls Triton where present
         from .options import resolve
 
-        if getattr(config, "add_bias_linear", False):
-            raise ValueError("fp8a2a: FP8 experts do not support add_bias_linear")
-        if getattr(config, "moe_apply_probs_on_input", False):
-            raise ValueError("fp8a2a: FP8 experts do not support moe_apply_probs_on_input")
-        check_cuda_graphs(config)
-        act = _activation_name(config)
+        act = check_config(config)
         want = (2 if act == "swiglu" else 1) * ffn
         if fc1_out != want:
             raise ValueError(f"fp8a2a: fc1 has {fc1_out} outputs, expected {want} for {act}")

@@ -7,8 +7,9 @@ Each option (the names in NAMES) is looked up, first match wins:
      flag was given (--fp8a2a-granularity ...; the parser defaults are None = not given),
   3. the defaults given to fp8a2a.megatron.register(...),
   4. the built-in defaults (DispatcherConfig's, ExpertOptions', capacity_mode "auto"); a granularity
-     given nowhere follows the TE recipe (RECIPE_GRANULARITY), and so does the FP8 experts' dgrad
-     (recipe_gradients: FP8 under a TE FP8 recipe).
+     given nowhere follows the TE recipe (RECIPE_GRANULARITY), and so do the experts (recipe_experts:
+     fp8a2a's FP8 experts under a TE FP8 recipe, where they cover the layer) and the FP8 experts'
+     dgrad (recipe_gradients: FP8 under a TE FP8 recipe).
 resolve(config, fp8_experts) applies this once per layer and returns Options: the Dispatcher's
 DispatcherConfig (the wire options, and the capacity factor that Megatron's capacity settings and
 capacity_mode give it), the experts' ExpertOptions and the capacity mode. ExpertOptions.impl
@@ -52,7 +53,7 @@ EXPERT_IMPLS = ("megatron", "fp8")
 @dataclass(frozen=True)
 class ExpertOptions:
     """The experts' options: which experts (impl, option name `experts`) and the FP8 experts' own
-    (fp8a2a.FP8GroupedMLP's; resolve() sets the defaults: recipe_gradients)."""
+    (fp8a2a.FP8GroupedMLP's; resolve() sets the defaults: recipe_experts, recipe_gradients)."""
     fp8_dgrad: bool = False
     fp8_wgrad: bool = False
     impl: str = "megatron"
@@ -136,6 +137,21 @@ def _recipe_granularity(config, fp8_experts: bool) -> str:
     return granularity
 
 
+def recipe_experts(config) -> str:
+    """The experts of a run that chose none: under a TE FP8 recipe (config.fp8) fp8a2a's FP8 experts,
+    which take the FP8 rows straight into their GEMMs and were faster than Megatron's TE experts in
+    every layer and training-loop measurement (README: which precision where); without a recipe
+    Megatron's, since FP8 GEMMs would change what a BF16 run computes. Where the FP8 experts do not
+    cover a layer (bias, another activation, a CUDA-graph setting they refuse), that layer keeps
+    Megatron's experts (fp8a2a.megatron._with_chosen_experts); a run that asks for them gets the error."""
+    return "fp8" if getattr(config, "fp8", None) else "megatron"
+
+
+def experts_chosen(config) -> bool:
+    """Whether the run chose the experts (config, flag or register()) rather than the recipe."""
+    return "experts" in _given(config)
+
+
 def recipe_gradients(config) -> dict:
     """The FP8 experts' gradient GEMMs of a run that set none: under a TE FP8 recipe (config.fp8) the
     input gradient in FP8, as TE computes its own layers'; the weight gradient in BF16 under every
@@ -156,6 +172,6 @@ def _capacity_factor(config, mode: str) -> Optional[float]:
 def resolve(config=None, fp8_experts: bool = False) -> Options:
     """The options of a layer built from `config` (a TransformerConfig or Megatron's args; None: the
     defaults alone) whose experts take FP8 rows or not (fp8_experts: the granularity default)."""
-    values = {**recipe_gradients(config), **_given(config)}
+    values = {"experts": recipe_experts(config), **recipe_gradients(config), **_given(config)}
     values.setdefault("granularity", _recipe_granularity(config, fp8_experts))
     return _options(values, _capacity_factor(config, values.get("capacity_mode", "auto")))

@@ -236,7 +236,8 @@ def test_te_fp8_recipe(recipe, fp8_experts):
     bf16 = build(moe_spec(True, True), make_config(REFERENCE))
     ref_cfg = make_config(REFERENCE, **te_fp8)
     ref = build(moe_spec(True, True), ref_cfg)
-    mine_cfg = make_config(fm.FP8_ALLTOALL, **te_fp8, **FP8)
+    # the experts named: under a TE FP8 recipe a run that names none gets the FP8 experts
+    mine_cfg = make_config(fm.FP8_ALLTOALL, **te_fp8, **FP8, fp8a2a_experts="fp8" if fp8_experts else "megatron")
     mine = build(fm.fp8_experts_spec(moe_spec(True, True)) if fp8_experts else moe_spec(True, True), mine_cfg)
     # no granularity given: block128 under blockwise for TE's experts, else row (RECIPE_GRANULARITY)
     want = "block128" if recipe == "blockwise" and not fp8_experts else "row"
