@@ -291,7 +291,7 @@ def _wgrad_fp8_reference(g, x_hat, offs, num_experts):
     return _ref_wgrad(deq[0].t(), deq[1].t(), pad_offs, num_experts)
 
 
-_CUBLAS_BLOCKWISE_REFUSED = set()  # devices whose torch._scaled_mm refused 1 x 128 x 1 x 128 scales
+_CUBLAS_BLOCKWISE_REFUSED = set()  # (device, out dtype, N, K) whose torch._scaled_mm refused 1 x 128 scales
 
 
 def _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype):
@@ -310,8 +310,8 @@ def _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype):
                              scale_b=sb[k0:k1], out_dtype=out_dtype, out=out[e])
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError as err:  # a torch or cuBLAS without blockwise scaling: the Triton GEMM
-            _CUBLAS_BLOCKWISE_REFUSED.add(a.device)
+        except (RuntimeError, ValueError) as err:  # a torch or cuBLAS without it: the Triton GEMM
+            _CUBLAS_BLOCKWISE_REFUSED.add((a.device, out_dtype, a.shape[0], b.shape[0]))
             _warn_refused(err, "torch._scaled_mm refused 1 x 128 block scales")
             return None
         start += n
@@ -325,7 +325,8 @@ def _wgrad_fp8(g, xq, xs, offs, out_dtype, counts=None, tuning=ExpertsConfig()):
     Triton grouped GEMM."""
     tk = triton_kernels()
     pad_offs, mpad = _wgrad_padding(offs, g.shape[0])
-    per_expert = (counts is not None and g.device not in _CUBLAS_BLOCKWISE_REFUSED
+    per_expert = (counts is not None and not torch.cuda.is_current_stream_capturing()  # (bounds from the host)
+                  and (g.device, out_dtype, g.shape[1], xq.shape[1]) not in _CUBLAS_BLOCKWISE_REFUSED
                   and g.shape[0] >= tuning.cublas_wgrad_min_rows_per_expert * len(counts))
     if per_expert:  # the exact padded width: no scale block past the last group
         mpad = sum(-(-n // BLOCK) * BLOCK for n in counts)
@@ -511,11 +512,12 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
         if bool((counts < 0).any()) or int(counts.sum()) != rows:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
                              f"but the input has {rows} rows (they must match, no count negative)")
-    # host counts cost nothing to keep: the FP8 wgrad's per-expert GEMMs take their bounds
-    host = tuple(tpe.tolist()) if tpe.device.type == "cpu" and device.type != "cpu" else None
+    # host counts cost nothing to keep: the FP8 wgrad's per-expert GEMMs take their bounds (not in a
+    # graph capture, whose replays would keep this call's bounds)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
+    host = tuple(tpe.tolist()) if tpe.device.type == "cpu" and device.type != "cpu" and not capturing else None
     tpe = tpe.to(device, non_blocking=True)
     offs = torch.cumsum(tpe, 0, dtype=torch.int32)
-    capturing = offs.is_cuda and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
     if check == "async" and num_experts and not capturing:
         # a negative count would make the offsets go back: the GEMMs would read outside the groups
         torch._assert_async((offs[-1] == rows) & (tpe.min() >= 0),

@@ -873,8 +873,14 @@ def test_te_fp8_recipe_picks_the_fp8_experts_where_they_fit():
     err = run_ranks(1, _recipe_experts_in_child, {"add_bias_linear": True, "fp8a2a_experts": "fp8"})[0]
     assert err.startswith("ValueError") and "add_bias_linear" in err
     assert run_ranks(1, _recipe_experts_in_child, {"fp8a2a_experts": "megatron"})[0] == ("SequentialMLP", [])
-    assert fm.resolve(argparse.Namespace(fp8="e4m3")).experts.impl == "fp8"
-    assert fm.resolve(argparse.Namespace(fp8=None)).experts.impl == "megatron"
+    N = argparse.Namespace
+    assert [fm.resolve(N(fp8="e4m3", fp8_recipe=r)).experts.impl for r in ("blockwise", "tensorwise", "delayed")] \
+        == ["fp8"] * 3
+    assert fm.resolve(N(fp8=None)).experts.impl == "megatron"
+    # Megatron's experts: Blackwell's recipes, TE's FP8 parameters, layers kept in BF16
+    for other in (dict(fp8_recipe="mxfp8"), dict(fp8_param=True), dict(first_last_layers_bf16=True)):
+        assert fm.resolve(N(fp8="e4m3", **other)).experts.impl == "megatron", other
+        assert fm.resolve(N(fp8="e4m3", fp8a2a_experts="fp8", **other)).experts.impl == "fp8", other
 
 
 def test_experts_option_values():

@@ -19,7 +19,8 @@ edited), the first two keyed on the dispatcher type so other types are untouched
   * MoELayer.__init__: runs the original with the type set to "alltoall" and, for that call only,
     the module-level name MoEAlltoAllTokenDispatcher in megatron.core.transformer.moe.moe_layer bound
     to FP8AlltoAllTokenDispatcher (so the alltoall branch builds ours, with the same arguments);
-    then restores both (with `--fp8a2a-experts fp8`, the call also gets the layer's submodules with
+    then restores both (with `--fp8a2a-experts fp8`, or under a TE FP8 recipe that chose no experts
+    (options.recipe_experts), the call also gets the layer's submodules with
     fp8a2a's FP8 experts class in place of the spec's: every MoE layer of that type, whichever spec
     or builder made it). Megatron-core 0.16 and 0.19 both build dispatchers this way; a version that
     does not gets its dispatcher replaced after the original __init__ (with a warning). Then the
@@ -120,7 +121,7 @@ def add_arguments(parser):
                         "FP8 recipe (--fp8-format), else BF16)")
     g.add_argument("--fp8a2a-fp8-wgrad", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8 experts (--fp8a2a-experts fp8): FP8 weight-gradient GEMMs, operands scaled per 128 "
-                        "tokens (default BF16: faster at the shapes measured)")
+                        "tokens (default BF16: no faster in the Megatron layers measured)")
     return parser
 
 
@@ -317,8 +318,9 @@ def register(**defaults):
     defaults: process-wide option defaults (granularity, capacity_mode, fp8_combine,
     fp8_dispatch_backward, bf16_below_bytes, experts ("megatron" or "fp8"), and the FP8 experts'
     fp8_dgrad, fp8_wgrad); config
-    attributes fp8a2a_<name> and the --fp8a2a-* flags take precedence; a granularity given nowhere
-    follows the TE recipe (options.RECIPE_GRANULARITY). Returns the defaults as options.Options."""
+    attributes fp8a2a_<name> and the --fp8a2a-* flags take precedence; a granularity, experts or
+    FP8 experts' dgrad given nowhere follow the TE recipe (options.RECIPE_GRANULARITY,
+    options.recipe_experts, options.recipe_gradients). Returns the defaults as options.Options."""
     import megatron.core  # noqa: F401  (a clear ImportError when megatron-core is missing)
 
     if defaults:

@@ -314,11 +314,14 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
                 tokens = dequantize(tokens, out.handle.dtype)
         else:
             tokens = _attach(carrier, tokens)
-        if self.deliver_fp8 and (not out.tokens_per_expert.is_cuda or torch.cuda.is_current_stream_capturing()):
-            return tokens, out.tokens_per_expert, probs  # (a graph cannot copy host counts in)
+        if self.deliver_fp8:
+            # host counts for the FP8 wgrad: its per-expert GEMMs take their bounds (never in a
+            # graph, which cannot copy them in); else the device counts, with no copy at all
+            if (self.options.experts.fp8_wgrad and out.tokens_per_expert.is_cuda
+                    and not torch.cuda.is_current_stream_capturing()):
+                return tokens, torch.tensor(out.handle.tokens_per_expert_list, dtype=torch.int64), probs
+            return tokens, out.tokens_per_expert, probs
         counts = out.handle.tokens_per_expert_list
-        if self.deliver_fp8:  # host counts: the FP8 wgrad's per-expert GEMMs take their bounds
-            return tokens, torch.tensor(counts, dtype=torch.int64), probs
         if self.pad_multiple > 1:
             tokens, probs, counts = self._pad_for_quantization(tokens, probs, counts, out.tokens_per_expert)
         # Megatron's experts call tokens_per_expert.tolist(): a host tensor costs no sync

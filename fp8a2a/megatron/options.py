@@ -137,14 +137,28 @@ def _recipe_granularity(config, fp8_experts: bool) -> str:
     return granularity
 
 
+# The TE recipes under which a run that chose no experts gets fp8a2a's (recipe_experts): Hopper's,
+# whose scales (one per tensor, or 1 x 128 / 128 x 128 blocks) the FP8 experts' per-row scales are
+# at least as fine as; MXFP8 / NVFP4 (Blackwell) keep Megatron's experts unless asked.
+RECIPES_FOR_FP8_EXPERTS = ("blockwise", "tensorwise", "delayed")
+
+
 def recipe_experts(config) -> str:
     """The experts of a run that chose none: under a TE FP8 recipe (config.fp8) fp8a2a's FP8 experts,
     which take the FP8 rows straight into their GEMMs and were faster than Megatron's TE experts in
     every layer and training-loop measurement (README: which precision where); without a recipe
-    Megatron's, since FP8 GEMMs would change what a BF16 run computes. Where the FP8 experts do not
-    cover a layer (bias, another activation, a CUDA-graph setting they refuse), that layer keeps
-    Megatron's experts (fp8a2a.megatron._with_chosen_experts); a run that asks for them gets the error."""
-    return "fp8" if getattr(config, "fp8", None) else "megatron"
+    Megatron's, since FP8 GEMMs would change what a BF16 run computes. Megatron's too under a recipe
+    not in RECIPES_FOR_FP8_EXPERTS, with FP8 parameters (fp8_param: TE's quantized weights), and where
+    some layers stay BF16 (first_last_layers_bf16: the layer number is unknown when the experts are
+    built). Where the FP8 experts do not cover a layer (bias, another activation, a CUDA-graph setting
+    they refuse), that layer keeps Megatron's experts (fp8a2a.megatron._with_chosen_experts); a run
+    that asks for them gets the error."""
+    recipe = getattr(config, "fp8_recipe", None)
+    recipe = str(getattr(recipe, "value", recipe) or "delayed")  # Megatron's default recipe: delayed
+    if (not getattr(config, "fp8", None) or recipe not in RECIPES_FOR_FP8_EXPERTS
+            or getattr(config, "fp8_param", False) or getattr(config, "first_last_layers_bf16", False)):
+        return "megatron"
+    return "fp8"
 
 
 def experts_chosen(config) -> bool:
@@ -155,8 +169,8 @@ def experts_chosen(config) -> bool:
 def recipe_gradients(config) -> dict:
     """The FP8 experts' gradient GEMMs of a run that set none: under a TE FP8 recipe (config.fp8) the
     input gradient in FP8, as TE computes its own layers'; the weight gradient in BF16 under every
-    recipe, since the FP8 one is slower at the expert shapes measured (README: Numerics, which
-    precision where). Without a recipe, both BF16."""
+    recipe, since the FP8 one was no faster in the Megatron layers measured (README: which precision
+    where). Without a recipe, both BF16."""
     return {"fp8_dgrad": bool(getattr(config, "fp8", None)), "fp8_wgrad": False}
 
 
