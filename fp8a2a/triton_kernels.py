@@ -7,7 +7,7 @@ re-exported here, so this is the one module to load.
 - act_bwd: the activation's backward and the router-weight gradient in one kernel.
 - block_col_quant_t: e4m3 per 128 rows of an expert group and column (TE blockwise's 1 x 128 along
   the reduction), written transposed with every group padded to a multiple of 128 rows: the
-  operands of the FP8 weight-gradient GEMM (grouped_wgrad_fp8).
+  operands of the FP8 weight-gradient GEMM (grouped_wgrad_fp8, or cuBLAS per expert: experts.py).
 """
 import torch
 import triton
