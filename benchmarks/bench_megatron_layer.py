@@ -28,6 +28,11 @@ median of those paired differences, reported apart and folded in at 1, 8 and 32 
 optimizer step. te_recast_calls counts timed cached calls in which a TE linear would have recast
 (0 expected).
 
+--profile: after the timing, one cached step of every row under torch.profiler (fp8a2a/bench/costs.py):
+its busy device time split by kernel class (copy, nccl, GEMM, quantize, permute, activation, other:
+costs.KERNEL_CLASSES), its host syncs and device-to-host copies, and its top kernels;
+where each millisecond of the step went (CUDA only).
+
 --cpu: tiny shapes, the variants that need neither TE nor CUDA (SequentialMLP experts), numbers
 functional only (tests/test_bench_megatron_layer.py runs it)."""
 import argparse
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 
 import fp8a2a
 import fp8a2a.megatron as fm
+from fp8a2a.bench import costs
 from fp8a2a.megatron.standalone import build_layer, fp8_context, with_portable_router, world_of_one
 
 BASELINE = "alltoall + TE FP8 blockwise"
@@ -261,6 +267,17 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
             for (suffix, opts), ref in zip(OPTIONS.items(), refs)]
 
 
+def profile_row(v):
+    """Where one cached step of v goes (costs.profile_call, prepare outside the profile); None off CUDA."""
+    c = costs.profile_call(lambda _: v.step(), setup=v.prepare)
+    if c is None:
+        return None
+    classes = costs.by_class(c["busy_us_by_op"])
+    return {"busy_ms": c["busy_us"] / 1e3, "by_class_ms": {k: us / 1e3 for k, us in classes.items()},
+            "syncs": c["syncs"], "sync_calls": c["sync_calls"], "d2h": c["d2h"], "kernels": c["kernels"],
+            "top_ms": [(op, us / 1e3) for op, us in costs.top_ops(c["busy_us_by_op"], 6)]}
+
+
 def summarize(v, runs):
     """runs: [(times, quant, failed)] of time_group. fwd_bwd_ms: the cached per-micro-batch step;
     refresh_ms: weight quantization per optimizer step (median over runs of the per-run median of the
@@ -295,6 +312,9 @@ def run_shape(name, shape, args, cuda):
             impl.fp8_dgrad, impl.fp8_wgrad = opts.get("fp8_dgrad", False), opts.get("fp8_wgrad", False)
         runs = [time_group(vs, iters, args.warmup, cuda) for _ in range(args.repeat)]
         rows.update({v.name: summarize(v, runs) for v in vs})
+        for v in vs if args.profile and cuda else ():
+            if "error" not in rows[v.name]:
+                rows[v.name]["profile"] = profile_row(v)
     for vname, r in rows.items():  # ratios per run, then their median
         if kind == "table":
             base_name = BASELINE
@@ -331,6 +351,17 @@ def format_table(res):
             out.append(f"{name:<48} {fmt(r['fwd_bwd_ms']):>8} {fmt(r['runs_min_ms']) + '-' + fmt(r['runs_max_ms']):>15} "
                        f"{fmt(r.get('ratio'), '.3f'):>7} {fmt(r.get('refresh_ms')):>10} "
                        + " ".join(f"{fmt(st.get(str(n))):>8}" for n in MICRO_BATCHES))
+    for s in res["shapes"]:
+        profiled = {n: r["profile"] for n, r in s["rows"].items() if r.get("profile")}
+        if profiled:
+            out.append(f"\n## {s['shape']}: one cached step profiled, busy device ms by kernel class")
+            classes = next(iter(profiled.values()))["by_class_ms"]
+            out.append(f"{'variant':<48} {'busy':>7} " + " ".join(f"{k:>10.10}" for k in classes) + "  syncs d2h")
+            for name, p in profiled.items():
+                out.append(f"{name:<48} {p['busy_ms']:>7.2f} "
+                           + " ".join(f"{ms:>10.2f}" for ms in p["by_class_ms"].values())
+                           + f"  {p['syncs']:>5} {p['d2h']:>3}")
+                out.append("    top: " + ", ".join(f"{op} {ms:.2f}" for op, ms in p["top_ms"]))
     out.append(f"\nratio: against '{BASELINE}' (the 256-expert shape: against FP8GroupedMLP with the same "
                f"options, target <= {TARGET}); median: a cached micro-batch (TE: is_first_microbatch=False, "
                f"grads set to None outside the timed region, every row alike); quant/step: a step's first "
@@ -348,6 +379,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 3; CPU 1)")
     ap.add_argument("--repeat", type=int, default=1, help="time every shape's table this many times")
     ap.add_argument("--shapes", default=None, help="comma-separated indices of the shapes to run (default all)")
+    ap.add_argument("--profile", action="store_true", help="then profile one cached step of every row (CUDA only)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu

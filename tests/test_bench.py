@@ -805,3 +805,18 @@ def test_bench_moe_layer_functional(tmp_path):
     assert rec["rel_err_vs_bf16"] < 0.15  # FP8 rows + FP8 weights against the BF16 path
     assert doc["graphs"]["available"] is False and "not available" in doc["graphs"]["why"]
     assert "target" in text
+
+
+def test_kernel_classes_split_a_step():
+    """costs.by_class: every kernel of a layer's step in one class (the first that matches), all
+    classes present in order, the total kept."""
+    by_op = {"nvjet_tst_128x256_64x4": 100.0, "device_kernel": 50.0, "_grouped_mm_fp8_kernel": 30.0,
+             "_grouped_wgrad_fp8_kernel": 20.0, "sm90_xmma_gemm_e4m3bf16": 10.0, "block_col_quant_t_kernel": 5.0,
+             "cast_transpose_kernel": 7.0, "dequantize": 1.0, "_permute_kernel": 9.0, "combine_pack": 4.0,
+             "_sort_chunks_by_map_kernel": 2.0, "_act_fwd_kernel": 3.0, "Memcpy DtoH": 1.0,
+             "ncclDevKernel_SendRecv": 2.0, "elementwise_kernel": 11.0}
+    got = costs.by_class(by_op)
+    assert list(got) == ["copy", "nccl", "GEMM", "quantize", "permute", "activation", "other"]
+    assert got == {"copy": 1.0, "nccl": 2.0, "GEMM": 210.0, "quantize": 13.0, "permute": 15.0, "activation": 3.0,
+                   "other": 11.0}
+    assert sum(got.values()) == sum(by_op.values())

@@ -14,7 +14,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def test_bench_megatron_layer_cpu(tmp_path):
     out = tmp_path / "bench.json"
     r = run(os.path.join(ROOT, "benchmarks", "bench_megatron_layer.py"), "--cpu", "--iters", "2", "--big-iters", "1",
-            "--warmup", "1", "--repeat", "2", "--json", out, timeout=600,
+            "--warmup", "1", "--repeat", "2", "--profile", "--json", out, timeout=600,
             env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -31,4 +31,5 @@ def test_bench_megatron_layer_cpu(tmp_path):
     for name, row in big.items():  # fp8_experts_spec against FP8GroupedMLP with the same options
         assert (row.get("ratio_vs") or "").startswith("FP8GroupedMLP") == name.startswith("fp8_alltoall"), name
     assert table["fp8_alltoall row + SequentialMLP"]["refresh_ms"] == 0  # nothing cached: BF16 experts
+    assert not any("profile" in row for rows in (table, big) for row in rows.values())  # --profile: CUDA only
     assert "fp8_alltoall + fp8_experts_spec" in r.stdout  # the table

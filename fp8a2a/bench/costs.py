@@ -126,6 +126,25 @@ def profile_call(fn: Callable[..., object], device=None, warmup: int = 1,
     return count(from_profiler(prof.events()))
 
 
+# Kernel classes of a layer's step, by short kernel name (first match; case-insensitive): copies;
+# NCCL; cuBLAS (xmma, nvjet), CUTLASS (device_kernel) and the Triton GEMMs; TE's and fp8a2a's
+# quantizations and casts; the dispatchers' permutes, sorts, packs; the activation kernels.
+KERNEL_CLASSES = (("copy", r"^Memcpy|^Memset"), ("nccl", r"nccl"),
+                  ("GEMM", r"gemm|xmma|nvjet|cutlass|device_kernel|_mm|matmul|wgrad|dgrad|cublas"),
+                  ("quantize", r"quant|cast|amax|fp8|transpose"),
+                  ("permute", r"permute|sort|chunk|dispatch|combine|pack|scatter|gather|index|layout|scan|row_id"),
+                  ("activation", r"act|silu|swiglu|gelu|glu|relu"))
+
+
+def by_class(by_op: dict) -> dict:
+    """us per kernel class (KERNEL_CLASSES, then "other") of a count()'s busy_us_by_op; every class
+    present, in that order."""
+    out = {name: 0.0 for name, _ in KERNEL_CLASSES + (("other", ""),)}
+    for op, us in by_op.items():
+        out[next((name for name, pat in KERNEL_CLASSES if re.search(pat, op, re.I)), "other")] += us
+    return out
+
+
 def top_ops(by_op: dict, n: int = 8) -> List[Tuple[str, float]]:
     """The n kernels (or copy kinds) of a count()'s busy_us_by_op with the most device time, most first."""
     return sorted(by_op.items(), key=lambda kv: -kv[1])[:n]
