@@ -89,9 +89,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(*argv, cwd=ROOT, env=None, timeout=600):
+def run(*argv, cwd=ROOT, env=None, timeout=600, check=False):
     """`python ARGV` in cwd (default: the checkout) with env (default: default_env()); a
-    CompletedProcess with text stdout and stderr."""
+    CompletedProcess with text stdout and stderr. check: assert it exited 0, with its output's tail."""
     argv = [str(a) for a in argv]
     env = default_env() if env is None else env
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,7 +108,10 @@ def run(*argv, cwd=ROOT, env=None, timeout=600):
                 pass
             p.join()
             raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, _read(out), _read(err))
-        return subprocess.CompletedProcess([sys.executable, *argv], p.exitcode, _read(out), _read(err))
+        done = subprocess.CompletedProcess([sys.executable, *argv], p.exitcode, _read(out), _read(err))
+    if check:
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
 
 
 def _read(path):

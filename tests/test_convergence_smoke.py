@@ -3,6 +3,7 @@
 really send FP8 rows, and start from the same weights as the BF16-dispatch run; --merge combines
 seeds. The real experiment runs on a GPU (BENCHMARKS.md)."""
 import csv
+import functools
 import importlib.util
 import json
 import math
@@ -17,9 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_convergence.py")
 
 
-def run_example(*args):
-    done = run(SCRIPT, *args, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+run_example = functools.partial(run, SCRIPT, timeout=900, check=True)
 
 
 def test_training_with_fp8_dispatch_converges(tmp_path):
@@ -88,11 +87,7 @@ def test_merge_seeds(tmp_path):
 MEGATRON_SCRIPT = os.path.join(ROOT, "examples", "convergence_megatron.py")
 
 
-def run_megatron_example(*args, check=True):
-    done = run(MEGATRON_SCRIPT, *args, timeout=600)
-    if check:
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return done
+run_megatron_example = functools.partial(run, MEGATRON_SCRIPT, timeout=600, check=True)
 
 
 def test_megatron_arms_smoke(tmp_path):
