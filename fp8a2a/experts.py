@@ -497,7 +497,10 @@ def _as_quantized(q) -> QuantizedTensor:
     raise TypeError(f"fp8a2a: expected a QuantizedTensor (or a 2-D float tensor), got {type(q).__name__}")
 
 
-def _offsets(tokens_per_expert, rows, num_experts, device, check):
+def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=False):
+    """(offs int32 [E] on device, the counts on the host or None): keep_host keeps counts given on
+    the host (the FP8 wgrad's per-expert GEMMs take their bounds; not in a graph capture, whose
+    replays would keep this call's bounds)."""
     tpe = torch.as_tensor(tokens_per_expert)
     if (tpe.dim() != 1 or tpe.numel() != num_experts or tpe.is_floating_point() or tpe.is_complex()
             or tpe.dtype == torch.bool or tpe.device.type == "meta"):
@@ -512,10 +515,9 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
         if bool((counts < 0).any()) or int(counts.sum()) != rows:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
                              f"but the input has {rows} rows (they must match, no count negative)")
-    # host counts cost nothing to keep: the FP8 wgrad's per-expert GEMMs take their bounds (not in a
-    # graph capture, whose replays would keep this call's bounds)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
-    host = tuple(tpe.tolist()) if tpe.device.type == "cpu" and device.type != "cpu" and not capturing else None
+    host = tuple(tpe.tolist()) if keep_host and tpe.device.type == "cpu" and device.type == "cuda" and not capturing \
+        else None
     tpe = tpe.to(device, non_blocking=True)
     offs = torch.cumsum(tpe, 0, dtype=torch.int32)
     if check == "async" and num_experts and not capturing:
@@ -525,7 +527,7 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
     return offs, host
 
 
-def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights):
+def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights, fp8_wgrad):
     q = _as_quantized(q)
     xq, xs = q.data, q.scale
     M, H = xq.shape
@@ -538,7 +540,7 @@ def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_w
     if xs.dim() == 0:  # tensor scale: a row scale that every row shares
         xs = xs.reshape(1).expand(M)
     be = resolve_backend(backend, xq.device)
-    offs, counts = _offsets(tokens_per_expert, M, num_experts, xq.device, check)
+    offs, counts = _offsets(tokens_per_expert, M, num_experts, xq.device, check, keep_host=fp8_wgrad)
     anchor = q.grad_anchor if torch.is_grad_enabled() else None
     return xq, xs, anchor, offs, counts, be
 
@@ -559,7 +561,7 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
     if weight.dim() != 3:
         raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
     xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend,
-                                                check, router_weights)
+                                                check, router_weights, fp8_wgrad)
     cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad,
                tuning=_checked_config(config))
     return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, counts, cfg, torch.is_grad_enabled())
@@ -599,10 +601,10 @@ class FP8GroupedMLP(torch.nn.Module):
 
     def forward(self, q, tokens_per_expert, router_weights: Optional[torch.Tensor] = None, *, check=None):
         xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
-                                                    self.backend, check, router_weights)
+                                                    self.backend, check, router_weights, self.fp8_wgrad)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)
-        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, counts, cfg,
-                                 torch.is_grad_enabled())
+        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, counts,
+                                 cfg, torch.is_grad_enabled())
 
     def extra_repr(self):
         return (f"experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
