@@ -129,7 +129,7 @@ def run_shape(name, hidden, ffn, args):
             invalidate_fp8_weight_cache()
             with torch.no_grad():
                 for p in params:
-                    fp8_weight(p, with_transposed=fp8_dgrad)
+                    fp8_weight(p)
                     if fp8_dgrad:
                         fp8_weight(p, transposed=True)
         t_rq = bench(requant)

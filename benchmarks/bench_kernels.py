@@ -167,14 +167,13 @@ class Case:
              lambda: self._eager_weight_quant(True)),
         ]
 
-    def _weight_bytes(self, transposed):  # read once, each FP8 copy and its scales written once
+    def _weight_bytes(self, transposed):  # read once, each FP8 copy written once, the scales once
         copies = 2 if transposed else 1
-        return sum(w.numel() * 2 + copies * w.numel() + w.shape[0] * (w.shape[1] + transposed * w.shape[2]) * 4
-                   for w in self.expert_w)
+        return sum(w.numel() * 2 + copies * w.numel() + w.shape[0] * w.shape[1] * 4 for w in self.expert_w)
 
     def _weight_quant(self, transposed):  # as an FP8 dgrad's forward and backward ask for them
         invalidate_fp8_weight_cache()  # what every optimizer step does
-        out = [fp8_weight(w, with_transposed=transposed) for w in self.expert_w]
+        out = [fp8_weight(w) for w in self.expert_w]
         if transposed:
             out += [fp8_weight(w, transposed=True) for w in self.expert_w]
         return out
@@ -182,7 +181,7 @@ class Case:
     def _eager_weight_quant(self, transposed):
         out = [quantize_reference(w.reshape(-1, w.shape[2]), "row") for w in self.expert_w]
         if transposed:
-            out += [quantize_reference(w.transpose(-2, -1).reshape(-1, w.shape[1]), "row") for w in self.expert_w]
+            out += [q.view(w.shape).transpose(-2, -1).contiguous() for (q, _), w in zip(out, self.expert_w)]
         return out
 
     def _eager_pack(self):

@@ -268,14 +268,22 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
 
 
 def profile_row(v):
-    """Where one cached step of v goes (costs.profile_call, prepare outside the profile); None off CUDA."""
+    """Where one cached step of v goes (costs.profile_call, prepare outside the profile), and the
+    device time a step's first micro-batch adds (its busy time less the cached step's: the weight
+    cast on the device, without the host gaps a wall-time difference hides it in); None off CUDA."""
     c = costs.profile_call(lambda _: v.step(), setup=v.prepare)
     if c is None:
         return None
     classes = costs.by_class(c["busy_us_by_op"])
-    return {"busy_ms": c["busy_us"] / 1e3, "by_class_ms": {k: us / 1e3 for k, us in classes.items()},
-            "syncs": c["syncs"], "sync_calls": c["sync_calls"], "d2h": c["d2h"], "kernels": c["kernels"],
-            "top_ms": [(op, us / 1e3) for op, us in costs.top_ops(c["busy_us_by_op"], 6)]}
+    out = {"busy_ms": c["busy_us"] / 1e3, "by_class_ms": {k: us / 1e3 for k, us in classes.items()},
+           "syncs": c["syncs"], "sync_calls": c["sync_calls"], "d2h": c["d2h"], "kernels": c["kernels"],
+           "span_ms": c["span_us"] / 1e3, "gaps": c["gaps"],
+           "top_ms": [(op, us / 1e3) for op, us in costs.top_ops(c["busy_us_by_op"], 6)]}
+    if v.first is not None:
+        f = costs.profile_call(lambda _: v.step(), setup=lambda: (v.prepare and v.prepare(), v.first()))
+        out["first_busy_ms"] = f["busy_us"] / 1e3
+        out["first_extra_busy_ms"] = (f["busy_us"] - c["busy_us"]) / 1e3
+    return out
 
 
 def summarize(v, runs):
@@ -361,7 +369,14 @@ def format_table(res):
                 out.append(f"{name:<48} {p['busy_ms']:>7.2f} "
                            + " ".join(f"{ms:>10.2f}" for ms in p["by_class_ms"].values())
                            + f"  {p['syncs']:>5} {p['d2h']:>3}")
-                out.append("    top: " + ", ".join(f"{op} {ms:.2f}" for op, ms in p["top_ms"]))
+                out.append("    top: " + ", ".join(f"{op[:40]} {ms:.2f}" for op, ms in p["top_ms"]))
+                if "first_extra_busy_ms" in p:
+                    out.append(f"    a step's first micro-batch: busy {p['first_busy_ms']:.2f} ms, "
+                               f"{p['first_extra_busy_ms']:+.2f} ms of device time (the weight cast)")
+                if "span_ms" in p:
+                    out.append(f"    span {p['span_ms']:.2f} ms; longest gaps: " + "; ".join(
+                        f"{g['us']:.0f} us {g['before'][:30]} -> {g['after'][:30]} ({' < '.join(h[:50] for h in g['host'])})"
+                        for g in p["gaps"][:3]))
     out.append(f"\nratio: against '{BASELINE}' (the 256-expert shape: against FP8GroupedMLP with the same "
                f"options, target <= {TARGET}); median: a cached micro-batch (TE: is_first_microbatch=False, "
                f"grads set to None outside the timed region, every row alike); quant/step: a step's first "

@@ -11,7 +11,8 @@ applied inside the GEMM; w_fp8 is the BF16 master weight quantized per output ch
 weight and refreshed only when the weight changes (its version counter or storage). Between fc1 and
 fc2 one kernel computes act(z) * router_weight and quantizes it per row for fc2. Backward is
 straight-through for every quantization: dX = dY @ W on the BF16 master weights (fp8_dgrad=True:
-dY quantized per row, W per input channel, FP8 GEMM), dW = dY^T @ x_hat in BF16 where x_hat is
+an FP8 GEMM on the forward's FP8 weight, its bytes transposed, and dY times that weight's
+per-output-channel scales, quantized per row), dW = dY^T @ x_hat in BF16 where x_hat is
 rebuilt from the saved FP8 rows and scales: no BF16 copy of any GEMM input is saved.
 fp8_wgrad=True (lossy; README's numerics give its effect on training) computes dW from FP8 operands
 scaled as TE's blockwise recipe scales them: dY and x_hat quantized per 128 tokens of an expert and
@@ -228,10 +229,10 @@ def _dgrad(cfg, g, w, offs):
     M, K = g.shape[0], w.shape[2]
     if M == 0:
         return g.new_zeros((0, K), dtype=torch.bfloat16)
-    if cfg.fp8_dgrad:
-        wtq, swt = fp8_weight(w, transposed=True)
-        gq, gs = quantize_rows(g)
-        return _mm_fp8(cfg, gq, gs, wtq, swt, offs)
+    if cfg.fp8_dgrad:  # the forward's FP8 weight, transposed; its scales (along N) folded into g
+        wtq, sw = fp8_weight(w, transposed=True)
+        gq, gs = _quant_col_scaled(cfg, g, sw, offs)
+        return _mm_fp8(cfg, gq, gs, wtq, torch.ones((w.shape[0], K), device=g.device), offs)
     w = dense_weight(w)
     if cfg.backend == "reference":
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
@@ -246,6 +247,14 @@ def _dgrad(cfg, g, w, offs):
     if triton_kernels() is None:  # torch refused and no Triton: the reference loop
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
     return triton_kernels().grouped_mm(g, wb, offs, b_strides=(wb.stride(0), wb.stride(2), wb.stride(1)), n=K)
+
+
+def _quant_col_scaled(cfg, g, col_scale, offs):
+    """(e4m3 [M, N], scale [M]) of g * col_scale[e] per row of expert e, quantized per row: the FP8
+    dgrad's dY with the weight's per-output-channel scales folded in, one Triton kernel on CUDA."""
+    if cfg.backend != "reference" and triton_ok(g):
+        return triton_kernels().act_quant(g, None, "identity", col_scale=col_scale, offs=offs)
+    return quantize_rows(g.float() * col_scale[_row_groups(offs, g.shape[0])])
 
 
 def _row_groups(offs, rows):
@@ -414,10 +423,8 @@ def _saved(ctx):
 
 class _GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xq, xs, anchor, weight, rw, offs, counts, cfg, grad_mode):
-        # an FP8 dgrad will want the transposed copy: build it with the row-wise one (one read less).
-        # needs_input_grad ignores grad mode (a parameter reads True under no_grad): grad_mode is the caller's
-        wq, sw = fp8_weight(weight, with_transposed=grad_mode and cfg.fp8_dgrad and ctx.needs_input_grad[2])
+    def forward(ctx, xq, xs, anchor, weight, rw, offs, counts, cfg):
+        wq, sw = fp8_weight(weight)
         y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
         _save(ctx, xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
         ctx.cfg, ctx.counts, ctx.anchor_dtype = cfg, counts, (anchor.dtype if anchor is not None else None)
@@ -437,16 +444,14 @@ class _GroupedLinear(torch.autograd.Function):
             dx = (gx if rw is None else gx * rw.to(torch.float32)[:, None]).to(ctx.anchor_dtype)
         if need_w:
             dw = _wgrad(ctx.cfg, dy, xq, _fold(xs, rw), offs, weight, ctx.counts)
-        return None, None, dx, dw, drw, None, None, None, None
+        return None, None, dx, dw, drw, None, None, None
 
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, counts, cfg, grad_mode):
-        # the backward's FP8 dgrads: fc1's for dx, fc2's for anything before it (grad_mode: as above)
-        g = ctx.needs_input_grad
-        w1q, s1 = fp8_weight(w1, with_transposed=grad_mode and cfg.fp8_dgrad and g[2])
-        w2q, s2 = fp8_weight(w2, with_transposed=grad_mode and cfg.fp8_dgrad and (g[2] or g[3] or g[5]))
+    def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, counts, cfg):
+        w1q, s1 = fp8_weight(w1)
+        w2q, s2 = fp8_weight(w2)
         z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
         y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
@@ -458,13 +463,13 @@ class _GroupedMLP(torch.autograd.Function):
     def backward(ctx, dy):
         xq, xs, z, hq, hs, w1, w2, rw, offs = _saved(ctx)
         cfg = ctx.cfg
-        _, _, need_x, need_w1, need_w2, need_rw, _, _, _, _ = ctx.needs_input_grad
+        _, _, need_x, need_w1, need_w2, need_rw, _, _, _ = ctx.needs_input_grad
         dy = dy.to(torch.bfloat16).contiguous()
         dx = dw1 = dw2 = None
         if need_w2:
             dw2 = _wgrad(cfg, dy, hq, hs, offs, w2, ctx.counts)
         if not (need_x or need_w1 or need_rw):
-            return None, None, None, None, dw2, None, None, None, None, None
+            return None, None, None, None, dw2, None, None, None, None
         dh = _dgrad(cfg, dy, w2, offs)
         dz, drw = _act_bwd(cfg, z, dh, rw)
         del dh
@@ -474,7 +479,7 @@ class _GroupedMLP(torch.autograd.Function):
             dx = _dgrad(cfg, dz, w1, offs).to(ctx.anchor_dtype)
         if drw is not None:
             drw = drw.to(rw.dtype)
-        return None, None, dx, dw1, dw2, drw if need_rw else None, None, None, None, None
+        return None, None, dx, dw1, dw2, drw if need_rw else None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -564,7 +569,7 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
                                                 check, router_weights, fp8_wgrad)
     cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad,
                tuning=_checked_config(config))
-    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, counts, cfg, torch.is_grad_enabled())
+    return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, counts, cfg)
 
 
 class FP8GroupedMLP(torch.nn.Module):
@@ -604,7 +609,7 @@ class FP8GroupedMLP(torch.nn.Module):
                                                     self.backend, check, router_weights, self.fp8_wgrad)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)
         return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, counts,
-                                 cfg, torch.is_grad_enabled())
+                                 cfg)
 
     def extra_repr(self):
         return (f"experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "

@@ -48,13 +48,16 @@ def _scale_rule(amax):
 
 
 @triton.jit
-def _act_chunk(zr, zs_row, off, F, w, ACT: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def _act_chunk(zr, zs_row, cs_row, off, F, w, ACT: tl.constexpr, Z_BLOCK: tl.constexpr, COL: tl.constexpr,
+               BLOCK: tl.constexpr):
     """(act(z) * w for columns off .. off + BLOCK of a row (0 past F), their mask)."""
     c = off + tl.arange(0, BLOCK)
     ok = c < F
     g = tl.load(zr + c, mask=ok, other=0.0).to(tl.float32)
     if Z_BLOCK:  # z is e4m3 with 128-block scales (block128 -> row conversion)
         g = g * tl.load(zs_row + c // SCALE_BLOCK, mask=ok, other=0.0)
+    if COL:  # times the row's expert's column scales (an FP8 dgrad's dY: the weight's scales folded in)
+        g = g * tl.load(cs_row + c, mask=ok, other=0.0)
     u = g
     if ACT == 1:
         u = tl.load(zr + F + c, mask=ok, other=0.0).to(tl.float32)
@@ -62,24 +65,34 @@ def _act_chunk(zr, zs_row, off, F, w, ACT: tl.constexpr, Z_BLOCK: tl.constexpr, 
 
 
 @triton.jit
-def _act_quant_kernel(z_ptr, w_ptr, zs_ptr, q_ptr, s_ptr, F, s_z, s_zs, s_q,
-                      ACT: tl.constexpr, HAS_W: tl.constexpr, Z_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def _act_quant_kernel(z_ptr, w_ptr, zs_ptr, cs_ptr, offs_ptr, q_ptr, s_ptr, F, E, s_z, s_zs, s_q,
+                      ACT: tl.constexpr, HAS_W: tl.constexpr, Z_BLOCK: tl.constexpr, COL: tl.constexpr,
+                      EB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     zr = z_ptr + row * s_z
     zs_row = zs_ptr + row * s_zs
     qr = q_ptr + row * s_q
+    cs_row = cs_ptr
+    if COL:  # the row's expert: how many groups end at or before it
+        ee = tl.arange(0, EB)
+        ends = tl.load(offs_ptr + ee, mask=ee < E, other=2147483647)
+        cs_row = cs_ptr + tl.sum((ends <= row).to(tl.int32), 0).to(tl.int64) * F
     w = 1.0
     if HAS_W:
         w = tl.load(w_ptr + row).to(tl.float32)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(0, F, BLOCK):  # pass 1: the row's amax
-        h, ok = _act_chunk(zr, zs_row, off, F, w, ACT, Z_BLOCK, BLOCK)
-        amax = tl.maximum(amax, tl.where(ok, tl.abs(h), 0.0))
-    a = tl.max(amax, axis=0)
-    qmul, scale = _scale_rule(a)
-    for off in range(0, F, BLOCK):  # pass 2: recompute (cheaper than keeping the row) and quantize
-        h, ok = _act_chunk(zr, zs_row, off, F, w, ACT, Z_BLOCK, BLOCK)
-        tl.store(qr + off + tl.arange(0, BLOCK), (h * qmul).to(tl.float8e4nv), mask=ok)
+    if ONE_PASS:  # the row fits the block: read once
+        h, ok = _act_chunk(zr, zs_row, cs_row, 0, F, w, ACT, Z_BLOCK, COL, BLOCK)
+        qmul, scale = _scale_rule(tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0))
+        tl.store(qr + tl.arange(0, BLOCK), (h * qmul).to(tl.float8e4nv), mask=ok)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for off in range(0, F, BLOCK):  # pass 1: the row's amax
+            h, ok = _act_chunk(zr, zs_row, cs_row, off, F, w, ACT, Z_BLOCK, COL, BLOCK)
+            amax = tl.maximum(amax, tl.where(ok, tl.abs(h), 0.0))
+        qmul, scale = _scale_rule(tl.max(amax, axis=0))
+        for off in range(0, F, BLOCK):  # pass 2: recompute (cheaper than keeping the row) and quantize
+            h, ok = _act_chunk(zr, zs_row, cs_row, off, F, w, ACT, Z_BLOCK, COL, BLOCK)
+            tl.store(qr + off + tl.arange(0, BLOCK), (h * qmul).to(tl.float8e4nv), mask=ok)
     tl.store(s_ptr + row, scale)
 
 
@@ -87,20 +100,28 @@ def _block(f):
     return max(128, min(4096, triton.next_power_of_2(max(f, 1))))
 
 
-def act_quant(z, w, act, z_scale=None):
+def act_quant(z, w, act, z_scale=None, col_scale=None, offs=None):
     """(data e4m3 [M, F], scale f32 [M]) of act(z) * w per row; F = z.shape[1] // 2 for swiglu.
-    z_scale [M, F/128] (act 'identity'): z is e4m3 with block scales, converted to row scales."""
+    z_scale [M, F/128] (act 'identity'): z is e4m3 with block scales, converted to row scales.
+    col_scale [E, F] f32 with offs (the expert groups' cumulative ends, int32 [E]): each row times its
+    expert's column scales first."""
     M = z.shape[0]
     F = z.shape[1] // 2 if act == "swiglu" else z.shape[1]
     assert z.stride(1) == 1
     data = torch.empty((M, F), device=z.device, dtype=torch.float8_e4m3fn)
     scale = torch.empty((M,), device=z.device, dtype=torch.float32)
+    if col_scale is not None:
+        assert col_scale.is_contiguous() and col_scale.shape == (offs.shape[0], F)
     if M:
-        blk = _block(F)
+        one_pass = F <= 8192  # a row in registers: a warp per 512 columns
+        blk = triton.next_power_of_2(max(F, 128)) if one_pass else _block(F)
+        E = offs.shape[0] if col_scale is not None else 1
         _act_quant_kernel[(M,)](z, w if w is not None else scale, z_scale if z_scale is not None else scale,
-                                data, scale, F, z.stride(0), z_scale.stride(0) if z_scale is not None else 0,
+                                col_scale if col_scale is not None else scale, offs if offs is not None else scale,
+                                data, scale, F, E, z.stride(0), z_scale.stride(0) if z_scale is not None else 0,
                                 data.stride(0), ACT=ACT_CODE[act], HAS_W=w is not None, Z_BLOCK=z_scale is not None,
-                                BLOCK=blk, num_warps=8 if blk >= 2048 else 4)
+                                COL=col_scale is not None, EB=triton.next_power_of_2(E), BLOCK=blk,
+                                ONE_PASS=one_pass, num_warps=max(4, blk // 512))
     return data, scale
 
 
@@ -224,112 +245,50 @@ def _nan_of(v, axis: tl.constexpr):
 
 
 @triton.jit
-def _weight_quant_rows_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, part_ptr, N, K, s_e, s_n,
-                              PTRS: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
-                              ONE_PASS: tl.constexpr, ROWS: tl.constexpr, PARTS: tl.constexpr):
-    """ROWS rows (output channels) of one expert per program. PARTS (ONE_PASS only): also each
-    column's amax over these rows (NaN where one is NaN), part[e, n // ROWS, :], from which
-    _weight_quant_t_kernel scales the transposed copy without reading the weights for it."""
-    NB = tl.cdiv(N, ROWS)
-    e = tl.program_id(0) // NB
-    blk = tl.program_id(0) % NB
-    src0 = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC)
+def _weight_quant_rows_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, N, K, s_e, s_n,
+                              PTRS: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One row (output channel) of one expert per program."""
+    e = tl.program_id(0) // N
+    n = tl.program_id(0) % N
+    src = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC) + n.to(tl.int64) * s_n
     c = tl.arange(0, BLOCK)
-    if PARTS:  # ROWS rows one after another, each in one read
-        tl.static_assert(ONE_PASS)
-        col_max = tl.zeros([BLOCK], dtype=tl.float32)
-        col_nan = tl.zeros([BLOCK], dtype=tl.float32)
-        n0 = blk * ROWS
-        nxt = tl.load(src0 + n0.to(tl.int64) * s_n + c, mask=(c < K) & (n0 < N), other=0.0)
-        for r in range(ROWS):
-            n = n0 + r
-            v = nxt.to(tl.float32)
-            # the next row's load goes out before this row's reductions: one row in flight per
-            # program left the pass bound by memory latency
-            nxt = tl.load(src0 + (n + 1).to(tl.int64) * s_n + c, mask=(c < K) & (n + 1 < N) & (r + 1 < ROWS),
-                          other=0.0)
-            live = n < N
-            ok = (c < K) & live
-            row = e.to(tl.int64) * N + n
-            qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0) + _nan_of(v, 0))
-            tl.store(q_ptr + row * K + c, (v * qmul).to(tl.float8e4nv), mask=ok)
-            tl.store(s_ptr + row, scale, mask=live)
-            col_max = tl.maximum(col_max, tl.abs(v))
-            col_nan += tl.where(v != v, v, 0.0)
-        tl.store(part_ptr + (e.to(tl.int64) * NB + blk) * K + c, col_max + col_nan, mask=c < K)
+    row = e.to(tl.int64) * N + n
+    qr = q_ptr + row * K
+    if ONE_PASS:  # the row fits the block: one read
+        ok = c < K
+        v = tl.load(src + c, mask=ok, other=0.0).to(tl.float32)
+        qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0) + _nan_of(v, 0))
+        tl.store(qr + c, (v * qmul).to(tl.float8e4nv), mask=ok)
     else:
-        for r in range(ROWS):
-            n = blk * ROWS + r
-            live = n < N
-            src = src0 + n.to(tl.int64) * s_n
-            row = e.to(tl.int64) * N + n
-            qr = q_ptr + row * K
-            if ONE_PASS:  # the row fits the block: one read
-                ok = (c < K) & live
-                v = tl.load(src + c, mask=ok, other=0.0).to(tl.float32)
-                qmul, scale = _scale_rule(tl.max(tl.abs(v), axis=0) + _nan_of(v, 0))
-                tl.store(qr + c, (v * qmul).to(tl.float8e4nv), mask=ok)
-            else:
-                amax = tl.zeros([BLOCK], dtype=tl.float32)
-                nan = tl.zeros([BLOCK], dtype=tl.float32)
-                for off in range(0, K, BLOCK):  # pass 1: the row's amax
-                    cc = off + c
-                    v = tl.load(src + cc, mask=(cc < K) & live, other=0.0).to(tl.float32)
-                    amax = tl.maximum(amax, tl.abs(v))
-                    nan += tl.where(v != v, v, 0.0)
-                qmul, scale = _scale_rule(tl.max(amax, axis=0) + _nan_of(nan, 0))
-                for off in range(0, K, BLOCK):  # pass 2: quantize (the row is read again from L2)
-                    cc = off + c
-                    ok = (cc < K) & live
-                    v = tl.load(src + cc, mask=ok, other=0.0).to(tl.float32)
-                    tl.store(qr + cc, (v * qmul).to(tl.float8e4nv), mask=ok)
-            tl.store(s_ptr + row, scale, mask=live)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        nan = tl.zeros([BLOCK], dtype=tl.float32)
+        for off in range(0, K, BLOCK):  # pass 1: the row's amax
+            cc = off + c
+            v = tl.load(src + cc, mask=cc < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+            nan += tl.where(v != v, v, 0.0)
+        qmul, scale = _scale_rule(tl.max(amax, axis=0) + _nan_of(nan, 0))
+        for off in range(0, K, BLOCK):  # pass 2: quantize (the row is read again from L2)
+            cc = off + c
+            ok = cc < K
+            v = tl.load(src + cc, mask=ok, other=0.0).to(tl.float32)
+            tl.store(qr + cc, (v * qmul).to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row, scale)
 
 
 @triton.jit
-def _weight_quant_t_kernel(x_ptr, tab_ptr, q_ptr, s_ptr, part_ptr, N, K, s_e, s_n, NB,
-                           PTRS: tl.constexpr, VEC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                           PARTS: tl.constexpr):
-    """The transposed copy of one expert's BC columns. Its scales come from the column amax: over
-    the expert's N rows (the weights read twice), or PARTS over the NB per-block amaxes that
-    _weight_quant_rows_kernel left (read once)."""
-    e = tl.program_id(1)
-    rc = tl.program_id(0) * BC + tl.arange(0, BC)  # input channels (columns of the [N, K] weight)
-    c_ok = rc < K
-    src = _expert_src(x_ptr, tab_ptr, e, s_e, PTRS, VEC)
-    amax = tl.zeros([BC], dtype=tl.float32)
-    nan = tl.zeros([BC], dtype=tl.float32)
-    if PARTS:
-        parts = part_ptr + e.to(tl.int64) * NB * K
-        for b0 in range(0, NB, BM):
-            rb = b0 + tl.arange(0, BM)
-            v = tl.load(parts + rb.to(tl.int64)[:, None] * K + rc[None, :], mask=(rb < NB)[:, None] & c_ok[None, :],
-                        other=0.0)
-            amax = tl.maximum(amax, tl.max(v, axis=0))
-            nan += _nan_of(v, 0)
-    else:
-        for m0 in range(0, N, BM):  # pass 1: the column amax over the expert's N rows
-            rm = m0 + tl.arange(0, BM)
-            v = tl.load(src + rm.to(tl.int64)[:, None] * s_n + rc[None, :], mask=(rm < N)[:, None] & c_ok[None, :],
-                        other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
-            nan += _nan_of(v, 0)
-    qmul, scale = _scale_rule(amax + nan)
-    qe = q_ptr + e.to(tl.int64) * K * N
-    for m0 in range(0, N, BM):  # quantize, store transposed ([K, N] per expert)
-        rm = m0 + tl.arange(0, BM)
-        m_ok = rm < N
-        v = tl.load(src + rm.to(tl.int64)[:, None] * s_n + rc[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                    other=0.0).to(tl.float32)
-        q = (tl.trans(v) * qmul[:, None]).to(tl.float8e4nv)  # [BC, BM]
-        tl.store(qe + rc.to(tl.int64)[:, None] * N + rm[None, :], q, mask=c_ok[:, None] & m_ok[None, :])
-    tl.store(s_ptr + e.to(tl.int64) * K + rc, scale, mask=c_ok)
+def _transpose_kernel(x_ptr, y_ptr, N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """y[e] = x[e]^T for [E, N, K] bytes, one BN x BK tile per program."""
+    base = tl.program_id(2).to(tl.int64) * N * K
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = (rn < N)[:, None] & (rk < K)[None, :]
+    v = tl.load(x_ptr + base + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=ok)
+    tl.store(y_ptr + base + rk.to(tl.int64)[:, None] * N + rn[None, :], tl.trans(v), mask=tl.trans(ok))
 
 
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_T_BM, _T_BC = 512, 64  # the transposed copy's tile: the fastest of 48 measured on an H200 (BENCHMARKS.md)
-_T_BM_PARTS = 256  # its tile when scaling from the row-wise pass's column amaxes (one read, not two)
-_PART_ROWS = 32  # rows per program when the row-wise pass leaves column amaxes (a sixteenth of the reads)
+TRANSPOSE_TILE = (64, 128)  # BN, BK of transpose_bytes: the fastest of 9 measured on an H200
 
 
 def _weight_source(w):
@@ -354,53 +313,31 @@ def _weight_source(w):
     return x, tab, s_e, s_n, ptrs, vec, E, N, K
 
 
-def _empty_fp8(E, n, k, device):
-    return (torch.empty((E, n, k), device=device, dtype=torch.float8_e4m3fn),
-            torch.empty((E, n), device=device, dtype=torch.float32))
-
-
-def expert_weight_quant(w, transposed=False):
-    """(data e4m3, scale f32) of E experts' [N, K] weights by the package rule, in one launch:
-    per output channel (data [E, N, K], scale [E, N]; the bytes of quantize(w.reshape(E*N, K), 'row'))
-    or, transposed, per input channel of the transpose (data [E, K, N], scale [E, K]; the bytes of
-    quantize(w.transpose(-2, -1).reshape(E*K, N), 'row')). w: an [E, N, K] tensor with stride(2) == 1,
-    or a sequence of E [N, K] tensors of one shape, dtype, device and strides, stride(1) == 1 (read
-    through a table of their addresses: no stack). Row-wise reads the weights once (twice past K
-    8192, the second from L2); transposed reads them twice (column amax over N, then quantize)."""
+def expert_weight_quant(w):
+    """(data e4m3 [E, N, K], scale f32 [E, N]) of E experts' [N, K] weights per output channel by the
+    package rule, in one launch: the bytes of quantize(w.reshape(E*N, K), 'row'). w: an [E, N, K]
+    tensor with stride(2) == 1, or a sequence of E [N, K] tensors of one shape, dtype, device and
+    strides, stride(1) == 1 (read through a table of their addresses: no stack). Reads the weights
+    once (past K 8192 twice, the second from L2)."""
     x, tab, s_e, s_n, ptrs, vec, E, N, K = _weight_source(w)
-    data, scale = _empty_fp8(E, K, N, x.device) if transposed else _empty_fp8(E, N, K, x.device)
+    data = torch.empty((E, N, K), device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((E, N), device=x.device, dtype=torch.float32)
     if data.numel() == 0:
         return data, scale.fill_(1.0)  # no elements: amax 0 -> scale 1
-    tab_ = tab if tab is not None else scale
-    if transposed:
-        _weight_quant_t_kernel[(triton.cdiv(K, _T_BC), E)](x, tab_, data, scale, scale, N, K, s_e, s_n, 0, PTRS=ptrs,
-                                                           VEC=vec, BM=_T_BM, BC=_T_BC, PARTS=False, num_warps=8)
-    else:
-        blk = max(128, min(8192, triton.next_power_of_2(K)))
-        _weight_quant_rows_kernel[(E * N,)](x, tab_, data, scale, scale, N, K, s_e, s_n, PTRS=ptrs, VEC=vec,
-                                            BLOCK=blk, ONE_PASS=K <= blk, ROWS=1, PARTS=False, num_warps=4)
+    blk = max(128, min(8192, triton.next_power_of_2(K)))
+    _weight_quant_rows_kernel[(E * N,)](x, tab if tab is not None else scale, data, scale, N, K, s_e, s_n,
+                                        PTRS=ptrs, VEC=vec, BLOCK=blk, ONE_PASS=K <= blk, num_warps=4)
     return data, scale
 
 
-def expert_weight_quant_both(w):
-    """(row-wise, transposed): what expert_weight_quant gives for each, the same bytes, in two
-    launches that read the weights twice instead of three times: the row-wise pass leaves each
-    column's amax per block of rows, and the transposed pass takes its scales from them. Up to K
-    8192 (a row in one block); past it, the two calls."""
-    E, N, K = w.shape if isinstance(w, torch.Tensor) else (len(w),) + tuple(w[0].shape)
-    if K > 8192 or E * N * K == 0:
-        return expert_weight_quant(w), expert_weight_quant(w, transposed=True)
-    x, tab, s_e, s_n, ptrs, vec, E, N, K = _weight_source(w)
-    row, row_s = _empty_fp8(E, N, K, x.device)
-    t, t_s = _empty_fp8(E, K, N, x.device)
-    nb = triton.cdiv(N, _PART_ROWS)
-    parts = torch.empty((E, nb, K), device=x.device, dtype=torch.float32)
-    tab_ = tab if tab is not None else row_s
-    blk = max(128, triton.next_power_of_2(K))
-    # a warp per 512 columns: the row in flight, the next one, the column amaxes and NaNs (16 warps
-    # at 8192 columns; 8 would take 169 registers)
-    _weight_quant_rows_kernel[(E * nb,)](x, tab_, row, row_s, parts, N, K, s_e, s_n, PTRS=ptrs, VEC=vec, BLOCK=blk,
-                                         ONE_PASS=True, ROWS=_PART_ROWS, PARTS=True, num_warps=max(4, blk // 512))
-    _weight_quant_t_kernel[(triton.cdiv(K, _T_BC), E)](x, tab_, t, t_s, parts, N, K, s_e, s_n, nb, PTRS=ptrs,
-                                                       VEC=vec, BM=_T_BM_PARTS, BC=_T_BC, PARTS=True, num_warps=8)
-    return (row, row_s), (t, t_s)
+def transpose_bytes(q):
+    """[E, K, N] contiguous: the transpose of each [N, K] matrix of a contiguous 1-byte [E, N, K]
+    tensor (an FP8 weight's bytes, as the FP8 dgrad reads them)."""
+    E, N, K = q.shape
+    assert q.is_contiguous() and q.element_size() == 1
+    out = torch.empty((E, K, N), device=q.device, dtype=q.dtype)
+    if out.numel():
+        BN, BK = TRANSPOSE_TILE
+        _transpose_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK), E)](q.view(torch.uint8), out.view(torch.uint8),
+                                                                        N, K, BN=BN, BK=BK, num_warps=4)
+    return out

@@ -1,5 +1,5 @@
 """The expert weights the FP8 GEMMs read, cached across micro-batches: fp8_weight (FP8 [E, N, K]
-with per-output-channel scales, or its transpose per input channel for the FP8 dgrad), the BF16
+with per-output-channel scales, or the same bytes transposed for the FP8 dgrad), the BF16
 stack for the BF16 dgrad (dense_weight), and expert_weights' stand-ins for Megatron's per-expert
 parameters (no stack per forward). One validity rule for every cached copy (_cached).
 
@@ -191,8 +191,6 @@ def refresh_graphed(weight: torch.Tensor) -> None:
     _, cache, key = _slot(weight)
     if key is not None and all(cache.get(k, (None,))[0] == key for k in graphed):
         return
-    if False in graphed and True in graphed:
-        fp8_weight(weight, with_transposed=True)  # both from one read
     for kind in tuple(graphed):
         if kind == "stack":
             dense_weight(weight)
@@ -215,11 +213,10 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     return _cached(weight, "stack", lambda sources: torch.stack([t.detach() for t in sources]))
 
 
-def _fast_weight_quant(weight, sources, transposed):
-    """fp8_weight's build in one Triton launch (triton_kernels.expert_weight_quant: the same bytes),
-    or None where it does not apply: not CUDA / no Triton, no elements, another dtype, or for a
-    stand-in, parameters not all contiguous of one dtype on the weight's device. transposed="both":
-    (row-wise, transposed) from triton_kernels.expert_weight_quant_both."""
+def _fast_weight_quant(weight, sources):
+    """fp8_weight's row-wise build in one Triton launch (triton_kernels.expert_weight_quant: the same
+    bytes), or None where it does not apply: not CUDA / no Triton, no elements, another dtype, or for
+    a stand-in, parameters not all contiguous of one dtype on the weight's device."""
     if not triton_ok(weight):
         return None
     tk = triton_kernels()
@@ -230,65 +227,47 @@ def _fast_weight_quant(weight, sources, transposed):
         w = weight.detach()
         if w.dtype not in tk.WEIGHT_DTYPES or w.stride(2) != 1:
             return None
-        return _quant_call(tk, w, transposed)
+        return tk.expert_weight_quant(w)
     ts = [t.detach() for t in sources]
     t0 = ts[0]
     if (len(ts) != E or t0.dtype not in tk.WEIGHT_DTYPES
             or any(t.device != weight.device or t.dtype != t0.dtype or t.shape != (N, K) or not t.is_contiguous()
                    for t in ts)):
         return None
-    return _quant_call(tk, ts, transposed)
+    return tk.expert_weight_quant(ts)
 
 
-def _quant_call(tk, w, transposed):
-    return tk.expert_weight_quant_both(w) if transposed == "both" else tk.expert_weight_quant(w, transposed)
-
-
-def fp8_weight(weight: torch.Tensor, transposed: bool = False, with_transposed: bool = False):
-    """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, or with
-    transposed=True its [E, K, N] transpose per input channel (the FP8 dgrad operand). Cached on the
-    weight tensor (on its parameters for an expert_weights stand-in, read through a table of their
-    addresses on CUDA, expert by expert elsewhere: no BF16 stack); recomputed as _cached says. On
-    CUDA with Triton one launch per call (triton_kernels.expert_weight_quant), the same bytes as the
-    extension's row quantization of the [E*N, K] (or transposed [E*K, N]) rows.
-
-    with_transposed (the forward of an FP8 dgrad): a row-wise build also builds the transposed copy
-    and caches it for the backward, both from one read less of the weights on CUDA
-    (triton_kernels.expert_weight_quant_both)."""
-    if with_transposed and not transposed:
-        sources, cache, key = _slot(weight)
-        row = _hit(weight, sources, cache, False, key)
-        if row is not None:  # cached (the usual micro-batch): one key computed, not two
-            return row
-        if key is not None and not _capturing(weight):  # both kinds from one build, under _cached's rule
-            graphed = _graphed(sources)
-            for kind in (False, True):
-                if kind not in graphed:
-                    cache.pop(kind, None)  # free the stale copies before building their successors
-            row, t = _cached(weight, "both", lambda sources: _fast_weight_quant(weight, sources, "both")
-                             or (_build(weight, sources, False), _build(weight, sources, True)))
-            del cache["both"]  # the pair lives on as the two kinds, under the same key
-            with torch.no_grad():
-                _store(sources, cache, True, key, t)
-                return _store(sources, cache, False, key, row)
-    return _cached(weight, transposed, lambda sources: _fast_weight_quant(weight, sources, transposed)
-                   or _build(weight, sources, transposed))
-
-
-def _build(weight, sources, transposed):
-    """fp8_weight's build off the Triton path: the extension's row quantization, expert by expert
-    for a stand-in (no BF16 stack)."""
-    E, N, K = weight.shape
+def fp8_weight(weight: torch.Tensor, transposed: bool = False):
+    """(w_fp8 [E, N, K], scale [E, N]): `weight` [E, N, K] quantized per output channel, the bytes of
+    the extension's row quantization of the [E*N, K] rows. transposed=True: the same bytes as
+    [E, K, N] (each expert's matrix transposed: the FP8 dgrad's operand, which folds the same
+    per-output-channel scales into dY), with the same scales. Both are cached on the weight tensor
+    (on its parameters for an expert_weights stand-in, read through a table of their addresses on
+    CUDA, expert by expert elsewhere: no BF16 stack) and recomputed as _cached says; on CUDA with
+    Triton one launch each (triton_kernels.expert_weight_quant; transpose_bytes from the row-wise
+    copy, so the BF16 weights are read once for both)."""
     if transposed:
-        N, K = K, N
+        return _cached(weight, True, lambda sources: _transpose(*fp8_weight(weight)))
+    return _cached(weight, False, lambda sources: _fast_weight_quant(weight, sources) or _build(weight, sources))
+
+
+def _transpose(data, scale):
+    if triton_ok(data):
+        return triton_kernels().transpose_bytes(data), scale
+    return data.view(torch.uint8).transpose(-2, -1).contiguous().view(FP8), scale
+
+
+def _build(weight, sources):
+    """fp8_weight's row-wise build off the Triton path: the extension's row quantization, expert by
+    expert for a stand-in (no BF16 stack)."""
+    E, N, K = weight.shape
     if not is_stand_in(weight):
-        w = weight.detach()
-        data, scale = quantize_rows((w.transpose(-2, -1) if transposed else w).reshape(E * N, K))
+        data, scale = quantize_rows(weight.detach().reshape(E * N, K))
         return data.view(E, N, K), scale.view(E, N)
     data = torch.empty((E, N, K), dtype=FP8, device=weight.device)
     scale = torch.empty((E, N), dtype=torch.float32, device=weight.device)
     for e, t in enumerate(sources):
-        d, s = quantize_rows(t.detach().t() if transposed else t.detach())
+        d, s = quantize_rows(t.detach())
         data[e].copy_(d)
         scale[e].copy_(s)
     return data, scale

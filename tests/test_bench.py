@@ -536,6 +536,22 @@ def test_costs_busy_time_merges_overlapping_device_work():
     assert c["busy_us"] == 19.0  # 1-11, 12-19 and 20-22: the overlapping 14-16 and 16-17 count once
     assert c["busy_us_by_op"] == {"pack_kernel": 15.0, "unpack_kernel": 2.0, "scan_kernel": 3.0, "empty_kernel": 0.0,
                                   "Memcpy DtoH": 2.0}
+    assert c["span_us"] == 21.0  # 1 to 22: busy 19, idle 11-12 and 19-20
+
+
+def test_costs_gaps_name_the_kernels_and_the_host_ranges_around_them():
+    ev = [costs.Event("ns::a_kernel(int)", True, 0, duration_us=10.0),
+          costs.Event("ns::b_kernel(int)", True, 40, duration_us=5.0),  # 30 us idle before it
+          costs.Event("ns::c_kernel(int)", True, 50, duration_us=5.0),  # 5 us idle before it
+          costs.Event("MoELayer.forward", False, 0, duration_us=100.0),
+          costs.Event("aten::mm", False, 35, duration_us=10.0),  # open when b starts: what the host issued
+          costs.Event("cudaLaunchKernel", False, 39, duration_us=2.0),  # API calls are not ranges
+          costs.Event("aten::add", False, 20, duration_us=5.0)]  # closed before b: not named
+    c = costs.count(ev)
+    assert c["span_us"] == 55.0 and c["busy_us"] == 20.0
+    assert [(g["us"], g["before"], g["after"]) for g in c["gaps"]] == [(30.0, "a_kernel", "b_kernel"),
+                                                                        (5.0, "b_kernel", "c_kernel")]
+    assert c["gaps"][0]["host"] == ["aten::mm", "MoELayer.forward"]
 
 
 def test_costs_timing_and_spread_on_the_cpu():
@@ -785,7 +801,7 @@ def test_bench_kernels_functional(tmp_path):
                      "combine_unpack", "dequantize", "weight_quant_row", "weight_quant_row_t"]
     wq = {r["op"]: r["bytes"] for r in doc["ops"] if r["op"].startswith("weight")}
     fc1, fc2 = 8 * 146 * 256, 8 * 256 * 73  # 8 experts, F = 2 * 256 // 7
-    assert wq["weight_quant_row_t"] - wq["weight_quant_row"] == fc1 + fc2 + 8 * (256 + 73) * 4  # one more FP8 copy
+    assert wq["weight_quant_row_t"] - wq["weight_quant_row"] == fc1 + fc2  # one more FP8 copy, the same scales
     for r in doc["ops"]:
         assert r["ms"] > 0 and r["eager_ms"] > 0 and r["host_us"] > 0 and r["frac_of_copy"] > 0, r
     assert set(doc["targets"]) == {"dispatch_pack_frac_of_copy", "dispatch_pack_host_us",

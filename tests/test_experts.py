@@ -195,6 +195,57 @@ def test_fp8_dgrad_option_close_to_bf16_dgrad():
         assert rel(a, b) < 0.08  # FP8 quantization error of dY and W^T
 
 
+@pytest.mark.parametrize("with_rw", [False, True])
+def test_fp8_dgrad_vs_float64(with_rw):
+    """The FP8 dgrad's rule in float64: dX_e = q(dY_e * s_w[e]) @ w_fp8[e], the forward's FP8 weight
+    (per output channel) read transposed, its scales folded into dY's columns before dY's per-row
+    quantization; router weights scale dX's rows afterwards. Also close to the exact dY @ W."""
+    tpe, H, N = [5, 0, 17, 10], 256, 96
+    x, rw = inputs(tpe, H, seed=3)
+    rw = rw if with_rw else None
+    w = (torch.randn(len(tpe), N, H, generator=torch.Generator().manual_seed(4)) * 0.05).bfloat16()
+    w.requires_grad_()
+    y = grouped_linear(make_q(x), w, torch.tensor(tpe), rw, fp8_dgrad=True)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y.backward(dy)
+
+    wq, sw = fp8_weight(w)
+    e_of = torch.repeat_interleave(torch.arange(len(tpe)), torch.tensor(tpe))
+    gq, gs = quantize_reference(dy.float() * sw[e_of], "row")
+    g64 = dequantize_reference(gq, gs, torch.float64)
+    dx64 = per_expert(lambda e, ge: ge @ wq[e].double(), tpe, g64)
+    if rw is not None:
+        dx64 = dx64 * rw.detach().double()[:, None]
+    torch.testing.assert_close(x.grad.double(), dx64, rtol=2 ** -8, atol=1e-6)  # its bf16 rounding, element by element
+    exact = per_expert(lambda e, ge: ge @ w[e].detach().double(), tpe, dy.double())
+    if rw is not None:
+        exact = exact * rw.detach().double()[:, None]
+    assert rel(x.grad, exact) < 0.08  # FP8 rounding of dY and W
+
+
+def test_fp8_dgrad_error_as_small_as_scaling_the_weight_per_input_channel():
+    """The FP8 dgrad reads the forward's FP8 weight (per output channel, along the dgrad's reduction)
+    with the scales folded into dY; the alternative, a second copy of W^T quantized per input
+    channel (and dY per row), needs the weights read twice per optimizer step. On weights and
+    gradients whose channels' ranges spread over e^+-1, both have the same error against dY @ W."""
+    g = torch.Generator().manual_seed(11)
+
+    def spread(*shape):
+        return torch.exp(torch.randn(*shape, generator=g) * 0.5)
+
+    for N, K in ((1024, 512), (512, 1024)):
+        w = (torch.randn(N, K, generator=g) * 0.02 * spread(N, 1) * spread(1, K)).bfloat16().float()
+        dy = (torch.randn(2048, N, generator=g) * spread(2048, 1) * spread(1, N) * 1e-4).bfloat16().float()
+        exact = dy.double() @ w.double()
+        wq, ws = quantize_reference(w, "row")
+        gq, gs = quantize_reference(dy * ws, "row")
+        ours = dequantize_reference(gq, gs, torch.float64) @ wq.double()
+        wtq, wts = quantize_reference(w.t().contiguous(), "row")
+        gq, gs = quantize_reference(dy, "row")
+        per_input = dequantize_reference(gq, gs, torch.float64) @ dequantize_reference(wtq, wts, torch.float64).t()
+        assert rel(ours, exact) < 0.05 and rel(ours, exact) < 1.02 * rel(per_input, exact)
+
+
 def test_block_col_quant_t_is_the_row_rule_per_128_tokens_of_an_expert():
     """The FP8 wgrad's operand rounding: every 128 rows of an expert, column by column, as
     quantize(..., 'row') quantizes the transposed block; padding rows are zero (scale 1 where a
@@ -333,9 +384,9 @@ def test_fp8_weight_cache_follows_the_version_counter():
     b = fp8_weight(w)
     assert b is not a
     torch.testing.assert_close(b[1], a[1] * 2)
-    t = fp8_weight(w, transposed=True)
-    assert t[0].shape == (2, 64, 32) and t[1].shape == (2, 64)
-    assert fp8_weight(w) is b  # both kinds cached side by side
+    t = fp8_weight(w, transposed=True)  # the FP8 dgrad's operand: the same bytes, transposed
+    assert torch.equal(t[0].view(torch.uint8), b[0].view(torch.uint8).transpose(1, 2)) and t[1] is b[1]
+    assert fp8_weight(w) is b and fp8_weight(w, transposed=True) is t  # both kinds cached side by side
 
 
 def test_fp8_weight_of_expert_parameters_is_cached_on_them():
@@ -359,23 +410,25 @@ def test_fp8_weight_of_expert_parameters_is_cached_on_them():
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0 + (i < 2))) for i, p in enumerate(ps))
 
 
-def test_fp8_weight_with_transposed_caches_both_copies():
-    """with_transposed (an FP8 dgrad's forward): the row-wise copy and the transposed one, each the
-    bytes of its own build, for a dense weight and for per-expert parameters; the backward's call
-    then finds the transposed copy, and an update rebuilds both."""
+def test_fp8_weight_transposed_is_built_from_the_row_wise_copy(monkeypatch):
+    """The transposed copy (an FP8 dgrad's backward) is the row-wise copy's bytes transposed, made
+    from the cached row-wise copy without quantizing again, for a dense weight and for per-expert
+    parameters; an update rebuilds both."""
+    counts = _count_builds(monkeypatch)
     w = torch.randn(3, 32, 48).bfloat16()
-    want_row, want_t = fp8_weight(w.clone()), fp8_weight(w.clone(), transposed=True)
     ps = [torch.nn.Parameter(w[e].clone()) for e in range(3)]
     for weight in (lambda d=w.clone().requires_grad_(): d, lambda: expert_weights(ps)[0]):
-        row = fp8_weight(weight(), with_transposed=True)
+        counts.update(fp8=0, transposed=0)
+        row = fp8_weight(weight())
         t = fp8_weight(weight(), transposed=True)
-        assert fp8_weight(weight()) is row and fp8_weight(weight(), with_transposed=True) is row
-        for got, want in ((row, want_row), (t, want_t)):
-            assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+        assert fp8_weight(weight()) is row and fp8_weight(weight(), transposed=True) is t
+        assert counts["fp8"] == 1 and counts["transposed"] == 1, counts
+        assert torch.equal(t[0].view(torch.uint8), row[0].view(torch.uint8).transpose(1, 2).contiguous())
+        assert t[1] is row[1]
         fp8a2a.invalidate_fp8_weight_cache()  # an optimizer step
-        row2 = fp8_weight(weight(), with_transposed=True)
-        assert row2 is not row and fp8_weight(weight(), transposed=True) is not t
-        assert torch.equal(row2[1], row[1])
+        t2 = fp8_weight(weight(), transposed=True)
+        assert t2 is not t and fp8_weight(weight()) is not row and counts["fp8"] == 2, counts
+        assert torch.equal(t2[0].view(torch.uint8), t[0].view(torch.uint8))  # same values, same bytes
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
@@ -393,14 +446,15 @@ def test_fp8_dgrad_forward_without_grad_builds_no_transposed_copy(mode):
 
 
 def _count_builds(monkeypatch):
-    """{'stack': BF16 stacks built, 'fp8': weight quantizations} of the expert weight caches."""
+    """{'stack': BF16 stacks built, 'fp8': weight quantizations, 'transposed': transposed FP8 copies}
+    of the expert weight caches."""
     import fp8a2a.weight_cache as wc
-    counts = {"stack": 0, "fp8": 0}
+    counts = {"stack": 0, "fp8": 0, "transposed": 0}
     cached = wc._cached
 
     def counting(weight, kind, build):
         def counted(sources):
-            counts["stack" if kind == "stack" else "fp8"] += 1
+            counts["stack" if kind == "stack" else "transposed" if kind is True else "fp8"] += 1
             return build(sources)
         return cached(weight, kind, counted)
     monkeypatch.setattr(wc, "_cached", counting)
@@ -428,9 +482,8 @@ def test_expert_weights_built_once_per_optimizer_step(monkeypatch, fp8_dgrad):
         y.float().pow(2).sum().backward()
         return y, x.grad
 
-    # per weight and step one build; with the FP8 dgrad it makes the transposed copy too (the forward
-    # builds both from one pass: fp8_weight(with_transposed=True)), which the backward then finds
-    per_step = {"stack": 0 if fp8_dgrad else 2, "fp8": 2}
+    # per weight and step one quantization; the FP8 dgrad's first backward transposes its bytes once
+    per_step = {"stack": 0 if fp8_dgrad else 2, "fp8": 2, "transposed": 2 if fp8_dgrad else 0}
     for _ in range(3):
         micro_batch(0)
     assert counts == per_step, counts
@@ -444,12 +497,12 @@ def test_expert_weights_built_once_per_optimizer_step(monkeypatch, fp8_dgrad):
             y, gx = micro_batch(0)
         assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
         assert all(torch.equal(p.grad, g) for p, g in zip(w1 + w2, grads))
-    counts.update(stack=0, fp8=0)
+    counts.update(stack=0, fp8=0, transposed=0)
     opt.step()  # an optimizer step: everything again, once
     for _ in range(2):
         micro_batch(1)
     assert counts == per_step, counts
-    counts.update(stack=0, fp8=0)
+    counts.update(stack=0, fp8=0, transposed=0)
     with torch.no_grad():
         w2[1].add_(1.0)  # an in-place write to one expert's weight: that weight's copies again
     micro_batch(2)
@@ -482,7 +535,7 @@ def _graph_reads(weight, fp8_dgrad):
     """What the captured forward + backward of an FP8GroupedMLP read of weight: the row-wise FP8
     copy, and the transposed one (FP8 dgrad) or the BF16 stack (BF16 dgrad)."""
     from fp8a2a.weight_cache import dense_weight
-    row = fp8_weight(weight, with_transposed=fp8_dgrad)
+    row = fp8_weight(weight)
     return row, (fp8_weight(weight, transposed=True) if fp8_dgrad else dense_weight(weight))
 
 
@@ -513,9 +566,9 @@ def test_graphed_copies_are_refreshed_in_place(monkeypatch, stand_in, fp8_dgrad)
         captured = _flat(_graph_reads(weight(), fp8_dgrad))
     assert all(a is b for a, b in zip(captured, eager))
     ptrs = [t.data_ptr() for t in captured]
-    counts.update(stack=0, fp8=0)
+    counts.update(stack=0, fp8=0, transposed=0)
     wc.refresh_graphed(weight())
-    assert counts == {"stack": 0, "fp8": 0}  # valid: nothing built
+    assert counts == {"stack": 0, "fp8": 0, "transposed": 0}  # valid: nothing built
 
     opt = torch.optim.SGD(params, lr=10.0)  # large steps: a stale copy differs visibly
     for p in params:
@@ -523,15 +576,15 @@ def test_graphed_copies_are_refreshed_in_place(monkeypatch, stand_in, fp8_dgrad)
     opt.step()
     for update in ("optimizer step", "data write"):
         want = _flat(fresh())
-        counts.update(stack=0, fp8=0)
+        counts.update(stack=0, fp8=0, transposed=0)
         assert not all(torch.equal(a.float(), b.float()) for a, b in zip(captured, want))  # stale until refreshed
         wc.refresh_graphed(weight())
         assert [t.data_ptr() for t in captured] == ptrs
         assert all(torch.equal(a.view(torch.uint8) if a.dtype == wc.FP8 else a,
                                b.view(torch.uint8) if b.dtype == wc.FP8 else b) for a, b in zip(captured, want))
         assert all(a is b for a, b in zip(_flat(_graph_reads(weight(), fp8_dgrad)), captured))  # eager: hits
-        # once; both FP8 kinds from one build; a dense weight is its own BF16 stack
-        assert counts == {"stack": int(stand_in and not fp8_dgrad), "fp8": 1}, counts
+        # once; the transposed copy from the row-wise one; a dense weight is its own BF16 stack
+        assert counts == {"stack": int(stand_in and not fp8_dgrad), "fp8": 1, "transposed": int(fp8_dgrad)}, counts
         for p in params:
             p.data.mul_(-0.5)
         fp8a2a.invalidate_fp8_weight_cache()
@@ -894,6 +947,16 @@ def test_gpu_triton_elementwise_kernels():
     d, s = tk.act_quant(data, None, "identity", z_scale=scale)  # block128 -> row, bit-exact to the rule
     ref_d, ref_s = quantize_reference(dequantize_reference(data, scale), "row")
     assert torch.equal(s, ref_s) and torch.equal(d.view(torch.uint8), ref_d.view(torch.uint8))
+    # the FP8 dgrad's dY: each row times its expert's column scales, then per row; the CPU path's bytes
+    tpe = torch.tensor([100, 0, 233, 0])
+    g = torch.randn(333, 1500, device="cuda").bfloat16()
+    cs = torch.rand(4, 1500, device="cuda") * torch.logspace(-6, 0, 1500, device="cuda")
+    offs = torch.cumsum(tpe, 0, dtype=torch.int32).cuda()
+    d, s = tk.act_quant(g, None, "identity", col_scale=cs, offs=offs)
+    ref_d, ref_s = quantize_reference(g.float() * cs[torch.repeat_interleave(torch.arange(4), tpe).cuda()], "row")
+    cpu_d, cpu_s = experts._quant_col_scaled(experts._Cfg("reference"), g.cpu(), cs.cpu(), offs.cpu())
+    for dd, ss in ((d, s), (cpu_d, cpu_s)):
+        assert torch.equal(ss.cpu(), ref_s.cpu()) and torch.equal(dd.view(torch.uint8).cpu(), ref_d.view(torch.uint8).cpu())
     z = torch.randn(333, 2 * 1500, device="cuda").bfloat16()
     rw = torch.rand(333, device="cuda")
     for act in ("swiglu", "gelu", "relu"):

@@ -128,7 +128,7 @@ if HAVE_FP8_EXPERTS:
     CASES["fp8_experts"] = dict(fp8=True, tol=FP8_EXPERTS, fp8_experts=True)
     # FP8_EXPERTS less gy (a BF16 combine backward); the experts quantize x themselves
     CASES["fp8_experts_raw_wire"] = dict(fp8=False, tol=bound(4, 2, 2, 3), fp8_experts=True)
-    # FP8_EXPERTS + 2 per FP8 dgrad (dY per row, W per input channel): fc2's (x.grad, router, dW1), fc1's (x.grad)
+    # FP8_EXPERTS + 2 per FP8 dgrad (dY times W's scales, per row): fc2's (x.grad, router, dW1), fc1's (x.grad)
     CASES["fp8_experts_fp8_dgrad"] = dict(fp8=True, tol=bound(4, 7, 5, 5), fp8_experts=True,
                                           config=dict(fp8a2a_fp8_dgrad=True))
     # + 2 per FP8 wgrad (both operands per column): dW1 5 + 2

@@ -16,6 +16,8 @@ events that start before that marker count, so neither the warm-up nor that fina
             programmatic dependent launch, overlaps the one before it): the call's device work
             without its gaps; a device time far above it is host-bound (launches, or the wait after
             a host sync). busy_us_by_op: each kernel's (or copy kind's) summed durations, unmerged.
+  span_us   first device event's start to the last one's end; gaps: the longest idle stretches in
+            it, with the kernels around them and the host ranges open where each ends.
 """
 import re
 import statistics
@@ -77,6 +79,25 @@ def _covered_us(work: List[Event]) -> float:
     return total
 
 
+def _gaps(work: List[Event], host: List[Event], n: int = 5) -> List[dict]:
+    """The n longest stretches between the device's first and last event with nothing running:
+    their length, the kernels on either side, and the innermost host ranges (aten ops, autograd
+    nodes, record_function ranges) open where the gap ends, i.e. what the host was issuing then."""
+    gaps, end, last = [], None, None
+    for e in sorted(work, key=lambda e: e.start_us):
+        if end is not None and e.start_us > end:
+            gaps.append((e.start_us - end, end, last, e))
+        if end is None or e.start_us + e.duration_us > end:
+            end, last = e.start_us + e.duration_us, e
+    out = []
+    for us, at, before, after in sorted(gaps, key=lambda g: -g[0])[:n]:
+        open_ = sorted((h for h in host if h.start_us <= after.start_us <= h.start_us + h.duration_us
+                        and not _api(h.name).startswith(("cuda", "cu"))), key=lambda h: h.duration_us)
+        out.append({"us": us, "before": _short(before.name), "after": _short(after.name),
+                    "host": [h.name for h in open_[:3]]})
+    return out
+
+
 def _by_op(work: List[Event]) -> dict:
     out = Counter()
     for e in work:
@@ -90,7 +111,8 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
     cudaDeviceSynchronize (that final sync) is taken off instead."""
     events = list(events)
     cut = min((e.start_us for e in events if not e.device and e.name == marker), default=None)
-    host = [_api(e.name) for e in events if not e.device and (cut is None or e.start_us < cut)]
+    host_events = [e for e in events if not e.device and (cut is None or e.start_us < cut)]
+    host = [_api(e.name) for e in host_events]
     work = [e for e in events if e.device and not e.annotation and e.name != marker
             and not e.name.startswith(_NOT_KERNELS)]
     dev = [e.name for e in work]
@@ -102,7 +124,8 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
             "d2h": sum(1 for n in copies if n.startswith("Memcpy DtoH")), "kernels": len(dev) - len(copies),
             "copies": len(copies), "launch_calls": sum(1 for n in host if n in LAUNCH_APIS),
             "busy_us": _covered_us(work), "busy_us_by_op": _by_op(work),
-            "marker": cut is not None}
+            "span_us": (max(e.start_us + e.duration_us for e in work) - min(e.start_us for e in work)) if work else 0.0,
+            "gaps": _gaps(work, host_events), "marker": cut is not None}
 
 
 def profile_call(fn: Callable[..., object], device=None, warmup: int = 1,

@@ -1,8 +1,9 @@
-"""FP8 expert weights on CUDA (fp8_weight -> triton_kernels.expert_weight_quant): for dense [E, N, K]
-weights and expert_weights stand-ins (a table of the parameters' addresses), row-wise and
-transposed, bf16 / fp16 / fp32, odd shapes and rows with zeros, tiny (below the scale floor), inf and
-NaN values: the bytes of data and scales equal the extension's row quantization of the
-[E*N, K] (or transposed [E*K, N]) rows; one kernel launch per call and no host sync.
+"""FP8 expert weights on CUDA (fp8_weight -> triton_kernels.expert_weight_quant, and the FP8 dgrad's
+transposed copy -> triton_kernels.transpose_bytes): for dense [E, N, K] weights and expert_weights
+stand-ins (a table of the parameters' addresses), bf16 / fp16 / fp32, odd shapes and rows with
+zeros, tiny (below the scale floor), inf and NaN values: the bytes of data and scales equal the
+extension's row quantization of the [E*N, K] rows (transposed: those bytes transposed, the same
+scales); one kernel launch per call and no host sync.
 
     python -m pytest tests/gpu/test_weight_quant.py -m gpu -q
 """
@@ -33,9 +34,22 @@ def _weights(E, N, K, dtype, special, seed=0):
 
 def _reference(w, transposed):
     E, N, K = w.shape
-    x = (w.transpose(-2, -1) if transposed else w).reshape(-1, K if not transposed else N).contiguous()
-    d, s = ops.quantize(x, Granularity.ROW, None)
-    return (d.view(E, K, N), s.view(E, K)) if transposed else (d.view(E, N, K), s.view(E, N))
+    d, s = ops.quantize(w.reshape(E * N, K).contiguous(), Granularity.ROW, None)
+    d = d.view(E, N, K)
+    return (d.view(torch.uint8).transpose(1, 2).contiguous().view(d.dtype), s.view(E, N)) if transposed \
+        else (d, s.view(E, N))
+
+
+def _fp8_weight(weight, transposed):
+    """fp8_weight(weight, transposed) and its kernels; transposed: the row-wise copy is made first
+    (the forward's), so the call under test is the transpose alone."""
+    if transposed:
+        fx.fp8_weight(weight)
+    return _kernels(lambda: fx.fp8_weight(weight, transposed))
+
+
+def _one_kernel(names, transposed):
+    assert len(names) == 1 and ("transpose" if transposed else "weight_quant") in names[0], names
 
 
 def _same(got, ref):
@@ -73,8 +87,8 @@ SHAPES = [(3, 200, 136), (2, 7168, 2048), (2, 136, 200), (4, 64, 9000), (1, 9, 1
 @pytest.mark.parametrize("special", [False, True])
 def test_dense(shape, transposed, dtype, special):
     w = _weights(*shape, dtype, special and shape[1] >= 8 and shape[2] >= 8)
-    got, names = _kernels(lambda: fx.fp8_weight(w, transposed))
-    assert len(names) == 1 and "weight_quant" in names[0], names
+    got, names = _fp8_weight(w, transposed)
+    _one_kernel(names, transposed)
     _same(got, _reference(w, transposed))
 
 
@@ -86,8 +100,8 @@ def test_stand_in(shape, transposed, dtype, special):
     w = _weights(*shape, dtype, special and shape[1] >= 8 and shape[2] >= 8, seed=1)
     params = [torch.nn.Parameter(w[e].clone()) for e in range(shape[0])]
     (stand_in,) = fx.expert_weights(params)
-    got, names = _kernels(lambda: fx.fp8_weight(stand_in, transposed))
-    assert len(names) == 1 and "weight_quant" in names[0], names
+    got, names = _fp8_weight(stand_in, transposed)
+    _one_kernel(names, transposed)
     _same(got, _reference(w, transposed))
     # cached: a second call launches nothing; an in-place update rebuilds it
     again, names = _kernels(lambda: fx.fp8_weight(stand_in, transposed))
@@ -110,28 +124,17 @@ def test_misaligned_stand_in():
         params.append(p)
     (stand_in,) = fx.expert_weights(params)
     for transposed in (False, True):
-        got, names = _kernels(lambda: fx.fp8_weight(stand_in, transposed))
-        assert len(names) == 1, names
+        got, names = _fp8_weight(stand_in, transposed)
+        _one_kernel(names, transposed)
         _same(got, _reference(w, transposed))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES + [(2, 96, 7168)])  # K 7168: DeepSeek-V3 fc1's, the row pass at 16 warps
-@pytest.mark.parametrize("stand_in", [False, True])
-@pytest.mark.parametrize("special", [False, True])
-def test_with_transposed(shape, stand_in, special, dtype):
-    """with_transposed (an FP8 dgrad's forward): both copies in two launches, the row-wise pass
-    leaving the column amaxes the transposed pass scales by (past K 8192: the two plain kernels);
-    each the bytes of its reference, and the backward's call then launches nothing."""
-    w = _weights(*shape, dtype, special and shape[1] >= 8 and shape[2] >= 8, seed=2)
-    if stand_in:
-        params = [torch.nn.Parameter(w[e].clone()) for e in range(shape[0])]
-        (weight,) = fx.expert_weights(params)
-    else:
-        weight = w.clone().requires_grad_()
-    row, names = _kernels(lambda: fx.fp8_weight(weight, with_transposed=True))
-    assert len(names) == 2 and all("weight_quant" in n for n in names), names
-    _same(row, _reference(w, False))
-    t, names = _kernels(lambda: fx.fp8_weight(weight, transposed=True))
-    assert names == []
-    _same(t, _reference(w, True))
+@pytest.mark.parametrize("shape", [(2, 96, 7168), (3, 4097, 65), (1, 1, 1), (5, 63, 129)])
+def test_transpose_bytes(shape):
+    """triton_kernels.transpose_bytes against torch's transposed copy: partial tiles of both sides,
+    every byte value."""
+    from fp8a2a import triton_kernels as tk
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    out = tk.transpose_bytes(q)
+    assert out.dtype == q.dtype and out.shape == (shape[0], shape[2], shape[1]) and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
