@@ -232,7 +232,7 @@ def _dgrad(cfg, g, w, offs):
     if cfg.fp8_dgrad:  # the forward's FP8 weight, transposed; its scales (along N) folded into g
         wtq, sw = fp8_weight(w, transposed=True)
         gq, gs = _quant_col_scaled(cfg, g, sw, offs)
-        return _mm_fp8(cfg, gq, gs, wtq, torch.ones((w.shape[0], K), device=g.device), offs)
+        return _mm_fp8(cfg, gq, gs, wtq, _unit_scales(w.shape[0], K, g.device), offs)
     w = dense_weight(w)
     if cfg.backend == "reference":
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
@@ -251,10 +251,23 @@ def _dgrad(cfg, g, w, offs):
 
 def _quant_col_scaled(cfg, g, col_scale, offs):
     """(e4m3 [M, N], scale [M]) of g * col_scale[e] per row of expert e, quantized per row: the FP8
-    dgrad's dY with the weight's per-output-channel scales folded in, one Triton kernel on CUDA."""
+    dgrad's dY with the weight's per-output-channel scales folded in, one Triton kernel on CUDA.
+    Rows past the last group (counts that do not sum up, under check=False) take the last expert's."""
     if cfg.backend != "reference" and triton_ok(g):
         return triton_kernels().act_quant(g, None, "identity", col_scale=col_scale, offs=offs)
-    return quantize_rows(g.float() * col_scale[_row_groups(offs, g.shape[0])])
+    return quantize_rows(g.float() * col_scale[_row_groups(offs, g.shape[0]).clamp_max(offs.shape[0] - 1)])
+
+
+def _unit_scales(E, K, device):
+    """float32 ones [E, K]: the B scales of a GEMM whose scales were folded into A, one per shape."""
+    key = (E, K, torch.device(device))
+    ones = _UNIT_SCALES.get(key)
+    if ones is None:
+        ones = _UNIT_SCALES[key] = torch.ones((E, K), dtype=torch.float32, device=device)
+    return ones
+
+
+_UNIT_SCALES = {}
 
 
 def _row_groups(offs, rows):

@@ -48,6 +48,13 @@ def _scale_rule(amax):
 
 
 @triton.jit
+def _nan_of(v, axis: tl.constexpr):
+    """NaN where a NaN is in v along axis, else 0: added to an amax, it makes the amax NaN-propagating
+    (csrc/fp8_common.h's amax_step) whatever tl.max does with NaN."""
+    return tl.sum(tl.where(v != v, v, 0.0), axis=axis)
+
+
+@triton.jit
 def _act_chunk(zr, zs_row, cs_row, off, F, w, ACT: tl.constexpr, Z_BLOCK: tl.constexpr, COL: tl.constexpr,
                BLOCK: tl.constexpr):
     """(act(z) * w for columns off .. off + BLOCK of a row (0 past F), their mask)."""
@@ -76,20 +83,23 @@ def _act_quant_kernel(z_ptr, w_ptr, zs_ptr, cs_ptr, offs_ptr, q_ptr, s_ptr, F, E
     if COL:  # the row's expert: how many groups end at or before it
         ee = tl.arange(0, EB)
         ends = tl.load(offs_ptr + ee, mask=ee < E, other=2147483647)
-        cs_row = cs_ptr + tl.sum((ends <= row).to(tl.int32), 0).to(tl.int64) * F
+        e = tl.minimum(tl.sum((ends <= row).to(tl.int32), 0), E - 1)  # (rows past the last group: counts
+        cs_row = cs_ptr + e.to(tl.int64) * F                            # that do not sum up, check=False)
     w = 1.0
     if HAS_W:
         w = tl.load(w_ptr + row).to(tl.float32)
     if ONE_PASS:  # the row fits the block: read once
         h, ok = _act_chunk(zr, zs_row, cs_row, 0, F, w, ACT, Z_BLOCK, COL, BLOCK)
-        qmul, scale = _scale_rule(tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0))
+        qmul, scale = _scale_rule(tl.max(tl.where(ok, tl.abs(h), 0.0), axis=0) + _nan_of(h, 0))
         tl.store(qr + tl.arange(0, BLOCK), (h * qmul).to(tl.float8e4nv), mask=ok)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
+        nan = tl.zeros([BLOCK], dtype=tl.float32)
         for off in range(0, F, BLOCK):  # pass 1: the row's amax
             h, ok = _act_chunk(zr, zs_row, cs_row, off, F, w, ACT, Z_BLOCK, COL, BLOCK)
             amax = tl.maximum(amax, tl.where(ok, tl.abs(h), 0.0))
-        qmul, scale = _scale_rule(tl.max(amax, axis=0))
+            nan += tl.where(h != h, h, 0.0)
+        qmul, scale = _scale_rule(tl.max(amax, axis=0) + _nan_of(nan, 0))
         for off in range(0, F, BLOCK):  # pass 2: recompute (cheaper than keeping the row) and quantize
             h, ok = _act_chunk(zr, zs_row, cs_row, off, F, w, ACT, Z_BLOCK, COL, BLOCK)
             tl.store(qr + off + tl.arange(0, BLOCK), (h * qmul).to(tl.float8e4nv), mask=ok)
@@ -235,13 +245,6 @@ def _expert_src(x_ptr, tab_ptr, e, s_e, PTRS: tl.constexpr, VEC: tl.constexpr):
     else:
         src = x_ptr + e.to(tl.int64) * s_e
     return src
-
-
-@triton.jit
-def _nan_of(v, axis: tl.constexpr):
-    """NaN where a NaN is in v along axis, else 0: added to an amax, it makes the amax NaN-propagating
-    (csrc/fp8_common.h's amax_step) whatever tl.max does with NaN."""
-    return tl.sum(tl.where(v != v, v, 0.0), axis=axis)
 
 
 @triton.jit

@@ -223,6 +223,21 @@ def test_fp8_dgrad_vs_float64(with_rw):
     assert rel(x.grad, exact) < 0.08  # FP8 rounding of dY and W
 
 
+def test_fp8_dgrad_with_counts_short_of_the_rows_unchecked():
+    """check=False with counts that leave rows outside every group: those rows take no part in the
+    GEMMs (zero output, zero input gradient), as with the BF16 dgrad, and the FP8 dgrad's scale
+    folding reads no expert past the last."""
+    w = (torch.randn(3, 64, 128, generator=torch.Generator().manual_seed(9)) * 0.05).bfloat16()
+    grads = []
+    for fp8_dgrad in (False, True):
+        x = torch.randn(10, 128, generator=torch.Generator().manual_seed(8)).requires_grad_()
+        y = grouped_linear(x, w.clone().requires_grad_(), torch.tensor([4, 0, 5]), fp8_dgrad=fp8_dgrad, check=False)
+        y.float().sum().backward()
+        assert y[9].abs().max() == 0 and x.grad[9].abs().max() == 0 and bool(torch.isfinite(x.grad).all())
+        grads.append(x.grad)
+    assert rel(grads[1], grads[0]) < 0.08
+
+
 def test_fp8_dgrad_error_as_small_as_scaling_the_weight_per_input_channel():
     """The FP8 dgrad reads the forward's FP8 weight (per output channel, along the dgrad's reduction)
     with the scales folded into dY; the alternative, a second copy of W^T quantized per input
@@ -957,6 +972,18 @@ def test_gpu_triton_elementwise_kernels():
     cpu_d, cpu_s = experts._quant_col_scaled(experts._Cfg("reference"), g.cpu(), cs.cpu(), offs.cpu())
     for dd, ss in ((d, s), (cpu_d, cpu_s)):
         assert torch.equal(ss.cpu(), ref_s.cpu()) and torch.equal(dd.view(torch.uint8).cpu(), ref_d.view(torch.uint8).cpu())
+    # rows longer than a block (two passes: fc1's dgrad at 2 * ffn > 8192), a NaN row, rows past the
+    # last group (check=False): the CPU path's bytes, NaN scales included
+    tpe = torch.tensor([3, 0, 2])
+    g = torch.randn(7, 9000, device="cuda").bfloat16()
+    g[1, 4321] = float("nan")
+    cs = torch.rand(3, 9000, device="cuda")
+    offs = torch.cumsum(tpe, 0, dtype=torch.int32).cuda()
+    d, s = tk.act_quant(g, None, "identity", col_scale=cs, offs=offs)
+    cpu_d, cpu_s = experts._quant_col_scaled(experts._Cfg("reference"), g.cpu(), cs.cpu(), offs.cpu())
+    assert s[1].isnan() and cpu_s[1].isnan() and torch.equal(s.cpu().view(torch.int32)[[0, 2, 3, 4, 5, 6]],
+                                                              cpu_s.view(torch.int32)[[0, 2, 3, 4, 5, 6]])
+    assert torch.equal(d.view(torch.uint8).cpu(), cpu_d.view(torch.uint8))
     z = torch.randn(333, 2 * 1500, device="cuda").bfloat16()
     rw = torch.rand(333, device="cuda")
     for act in ("swiglu", "gelu", "relu"):
