@@ -280,7 +280,11 @@ def profile_row(v):
            "span_ms": c["span_us"] / 1e3, "gaps": c["gaps"],
            "top_ms": [(op, us / 1e3) for op, us in costs.top_ops(c["busy_us_by_op"], 6)]}
     if v.first is not None:
-        f = costs.profile_call(lambda _: v.step(), setup=lambda: (v.prepare and v.prepare(), v.first()))
+        def first_microbatch():
+            if v.prepare is not None:
+                v.prepare()
+            v.first()
+        f = costs.profile_call(lambda _: v.step(), setup=first_microbatch)
         out["first_busy_ms"] = f["busy_us"] / 1e3
         out["first_extra_busy_ms"] = (f["busy_us"] - c["busy_us"]) / 1e3
     return out
@@ -373,10 +377,9 @@ def format_table(res):
                 if "first_extra_busy_ms" in p:
                     out.append(f"    a step's first micro-batch: busy {p['first_busy_ms']:.2f} ms, "
                                f"{p['first_extra_busy_ms']:+.2f} ms of device time (the weight cast)")
-                if "span_ms" in p:
-                    out.append(f"    span {p['span_ms']:.2f} ms; longest gaps: " + "; ".join(
-                        f"{g['us']:.0f} us {g['before'][:30]} -> {g['after'][:30]} ({' < '.join(h[:50] for h in g['host'])})"
-                        for g in p["gaps"][:3]))
+                out.append(f"    span {p['span_ms']:.2f} ms; longest gaps: " + "; ".join(
+                    f"{g['us']:.0f} us {g['before'][:30]} -> {g['after'][:30]} ({' < '.join(h[:50] for h in g['host'])})"
+                    for g in p["gaps"][:3]))
     out.append(f"\nratio: against '{BASELINE}' (the 256-expert shape: against FP8GroupedMLP with the same "
                f"options, target <= {TARGET}); median: a cached micro-batch (TE: is_first_microbatch=False, "
                f"grads set to None outside the timed region, every row alike); quant/step: a step's first "

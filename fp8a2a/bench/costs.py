@@ -30,6 +30,7 @@ SYNC_APIS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchro
              "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH")
 LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                "cudaLaunchCooperativeKernel", "cudaGraphLaunch", "cuGraphLaunch")
+_CUDA_API = re.compile(r"cuda?[A-Z]")  # runtime (cudaXxx) and driver (cuXxx) calls: not host ranges
 _NOT_KERNELS = ("Event Sync", "Stream Sync", "Context Sync", "Stream Wait Event")  # CUPTI sync records
 
 
@@ -86,13 +87,13 @@ def _gaps(work: List[Event], host: List[Event], n: int = 5) -> List[dict]:
     gaps, end, last = [], None, None
     for e in sorted(work, key=lambda e: e.start_us):
         if end is not None and e.start_us > end:
-            gaps.append((e.start_us - end, end, last, e))
+            gaps.append((e.start_us - end, last, e))
         if end is None or e.start_us + e.duration_us > end:
             end, last = e.start_us + e.duration_us, e
     out = []
-    for us, at, before, after in sorted(gaps, key=lambda g: -g[0])[:n]:
+    for us, before, after in sorted(gaps, key=lambda g: -g[0])[:n]:
         open_ = sorted((h for h in host if h.start_us <= after.start_us <= h.start_us + h.duration_us
-                        and not _api(h.name).startswith(("cuda", "cu"))), key=lambda h: h.duration_us)
+                        and not _CUDA_API.match(h.name)), key=lambda h: h.duration_us)
         out.append({"us": us, "before": _short(before.name), "after": _short(after.name),
                     "host": [h.name for h in open_[:3]]})
     return out
