@@ -42,6 +42,7 @@ kernels (the latter reads the FP8 input directly), and the activation + quantiza
 and the row quantizations with Triton kernels (torch ops without Triton).
 """
 import functools
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .kernels import quantize_rows, triton_kernels, triton_ok
+from .kernels import capability, quantize_rows, triton_kernels, triton_ok
 from .quant import QuantizedTensor, quantize, scale_rule
 from .weight_cache import (dense_weight, expert_weights,  # noqa: F401  (expert_weights,
                            fp8_weight, invalidate_fp8_weight_cache, is_stand_in)  # invalidate...: re-exported)
@@ -109,7 +110,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         if not cuda:
             return "reference"
-        if hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0):
+        if hasattr(torch, "_scaled_grouped_mm") and capability(device) >= (9, 0):
             return "scaled_grouped_mm"
         return "triton" if triton_kernels() is not None else "reference"
     if backend != "reference" and not cuda:
@@ -204,7 +205,7 @@ def _mm_fp8(cfg, xq, xs, wq, sw, offs):
     if backend == "scaled_grouped_mm" and xs.dim() == 2 and tuning.block128_native and triton_kernels() is not None:
         backend = "triton"
     if backend == "scaled_grouped_mm":
-        key = (N, xq.shape[1], torch.cuda.get_device_capability(xq.device))
+        key = (N, xq.shape[1], capability(xq.device))
         if key not in _SGMM_REFUSED:
             a, sa = _block_to_row(xq, xs) if xs.dim() == 2 else (xq, xs.contiguous())
             if fast_accum and M <= tuning.tma_max_rows_per_expert * wq.shape[0] and triton_kernels() is not None \
@@ -464,9 +465,9 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, counts, cfg):
         w1q, s1 = fp8_weight(w1)
-        w2q, s2 = fp8_weight(w2)
         z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
+        w2q, s2 = fp8_weight(w2)  # (after fc1's launch: the GPU starts it while the host looks this up)
         y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
         _save(ctx, xq, xs, z, hq, hs, w1, w2, rw, offs)
         ctx.cfg, ctx.counts, ctx.anchor_dtype = cfg, counts, (anchor.dtype if anchor is not None else None)
@@ -518,7 +519,9 @@ def _as_quantized(q) -> QuantizedTensor:
 def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=False):
     """(offs int32 [E] on device, the counts on the host or None): keep_host keeps counts given on
     the host (the FP8 wgrad's per-expert GEMMs take their bounds; not in a graph capture, whose
-    replays would keep this call's bounds)."""
+    replays would keep this call's bounds). Counts on the host are checked (unless check is False
+    or 'async') and summed there, and reach the device in one copy; counts on the device are summed
+    there."""
     tpe = torch.as_tensor(tokens_per_expert)
     if (tpe.dim() != 1 or tpe.numel() != num_experts or tpe.is_floating_point() or tpe.is_complex()
             or tpe.dtype == torch.bool or tpe.device.type == "meta"):
@@ -526,6 +529,14 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
                          f"(one per local expert), got {tpe.dtype} of shape {tuple(tpe.shape)} on {tpe.device}")
     if check not in (None, True, False, "sync", "async"):
         raise ValueError(f"fp8a2a: check must be None, True, False, 'sync' or 'async', got {check!r}")
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
+    if tpe.device.type == "cpu" and check != "async" and not capturing:  # checked, summed here, one copy in
+        counts = tpe.tolist()
+        if check is not False and (min(counts, default=0) < 0 or sum(counts) != rows):
+            raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
+                             f"but the input has {rows} rows (they must match, no count negative)")
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+        return offs.to(device, non_blocking=True), (tuple(counts) if keep_host and device.type == "cuda" else None)
     if check is None:
         check = "sync" if tpe.device.type == "cpu" else "async"
     if check is True or check == "sync":
@@ -533,16 +544,12 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
         if bool((counts < 0).any()) or int(counts.sum()) != rows:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
                              f"but the input has {rows} rows (they must match, no count negative)")
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
-    host = tuple(tpe.tolist()) if keep_host and tpe.device.type == "cpu" and device.type == "cuda" and not capturing \
-        else None
-    tpe = tpe.to(device, non_blocking=True)
-    offs = torch.cumsum(tpe, 0, dtype=torch.int32)
+    offs = torch.cumsum(tpe.to(device, non_blocking=True), 0, dtype=torch.int32)
     if check == "async" and num_experts and not capturing:
         # a negative count would make the offsets go back: the GEMMs would read outside the groups
         torch._assert_async((offs[-1] == rows) & (tpe.min() >= 0),
                             "fp8a2a: tokens_per_expert does not sum to the rows given, or a count is negative")
-    return offs, host
+    return offs, None
 
 
 def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights, fp8_wgrad):
@@ -573,9 +580,10 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
     per output channel and cached. tokens_per_expert: int [E], summing to N. router_weights: [N],
     multiplies each output row. Differentiable w.r.t. the input (through q.grad_anchor), weight and
     router_weights. backend, fp8_dgrad, fp8_wgrad, fast_accum, config: as for FP8GroupedMLP.
-    check: None = verify the counts when tokens_per_expert is on the CPU, an
-    asynchronous device assert when it is on the GPU (no host sync); True = host-synced ValueError;
-    False = no check."""
+    check: None = verify the counts on the host when tokens_per_expert is on the CPU (ValueError;
+    also the cheaper path to a GPU: the offsets go in one copy), an asynchronous device assert when
+    it is on the GPU (no host sync); 'async' = that device assert wherever the counts are;
+    True / 'sync' = a ValueError (a host sync for counts on the GPU); False = no check."""
     if weight.dim() != 3:
         raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
     xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend,
@@ -618,11 +626,16 @@ class FP8GroupedMLP(torch.nn.Module):
             self.fc2_weight.uniform_(-1 / math.sqrt(self.ffn_hidden), 1 / math.sqrt(self.ffn_hidden))
 
     def forward(self, q, tokens_per_expert, router_weights: Optional[torch.Tensor] = None, *, check=None):
+        return self.forward_with(self.fc1_weight, self.fc2_weight, q, tokens_per_expert, router_weights, check=check)
+
+    def forward_with(self, fc1_weight, fc2_weight, q, tokens_per_expert, router_weights=None, *, check=None):
+        """forward with these weights in place of the module's parameters (as
+        torch.func.functional_call would, without its per-call swapping of the parameters): e.g.
+        expert_weights stand-ins of another module's per-expert parameters."""
         xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
                                                     self.backend, check, router_weights, self.fp8_wgrad)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)
-        return _GroupedMLP.apply(xq, xs, anchor, self.fc1_weight, self.fc2_weight, router_weights, offs, counts,
-                                 cfg)
+        return _GroupedMLP.apply(xq, xs, anchor, fc1_weight, fc2_weight, router_weights, offs, counts, cfg)
 
     def extra_repr(self):
         return (f"experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "

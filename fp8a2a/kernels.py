@@ -20,6 +20,17 @@ def triton_kernels():
         return None
 
 
+def capability(device) -> tuple:
+    """torch.cuda.get_device_capability(device), asked once per device (the GEMM paths ask per call)."""
+    index = torch.device(device).index
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
 def triton_ok(t: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on t: a CUDA tensor, with Triton installed."""
     return t.is_cuda and triton_kernels() is not None

@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - older Triton: torch._scaled_grouped_mm
     TensorDescriptor = None
 
 from . import wire
+from .kernels import capability
 
 SCALE_BLOCK = tl.constexpr(wire.BLOCK)  # values per block scale (block128): a global a kernel reads is a constexpr
 
@@ -167,8 +168,8 @@ def _grouped_mm_fp8_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K
 
 def tma_ok(device) -> bool:
     """Whether the TMA kernels run on device: Triton with host TMA descriptors, sm_90+."""
-    return TensorDescriptor is not None and torch.device(device).type == "cuda" \
-        and torch.cuda.get_device_capability(device) >= (9, 0)
+    device = torch.device(device)
+    return TensorDescriptor is not None and device.type == "cuda" and capability(device) >= (9, 0)
 
 
 def fp8_tma_ok(a, w) -> bool:

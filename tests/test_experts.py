@@ -645,6 +645,45 @@ def test_zero_rows():
     assert mlp.fc1_weight.grad.abs().sum() == 0 and x.grad.shape == (0, 128)
 
 
+def test_forward_with_matches_functional_call():
+    """forward_with(w1, w2, ...) (what fp8a2a.megatron's experts call) is the module's forward with
+    those weights: the same output and gradients as torch.func.functional_call, bit for bit."""
+    E, H, F_ = 3, 64, 32
+    g = torch.Generator().manual_seed(3)
+    w1 = [torch.nn.Parameter(torch.randn(2 * F_, H, generator=g) * 0.1) for _ in range(E)]
+    w2 = [torch.nn.Parameter(torch.randn(H, F_, generator=g) * 0.1) for _ in range(E)]
+    mlp = FP8GroupedMLP(E, H, F_, fp8_dgrad=True, device="meta")
+    x0, rw, dy = torch.randn(12, H, generator=g), torch.rand(12, generator=g), torch.randn(12, H, generator=g)
+    tpe = torch.tensor([5, 0, 7])
+    results = []
+    for run in ("forward_with", "functional_call"):
+        x = x0.clone().requires_grad_()
+        a, b = expert_weights(w1, w2)
+        if run == "forward_with":
+            y = mlp.forward_with(a, b, make_q(x), tpe, rw)
+        else:
+            y = torch.func.functional_call(mlp, {"fc1_weight": a, "fc2_weight": b}, (make_q(x), tpe, rw))
+        (y.float() * dy).sum().backward()
+        results.append([y.detach(), x.grad] + [p.grad for p in w1 + w2])
+        for p in w1 + w2:
+            p.grad = None
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_offsets_host_and_device_paths_agree():
+    """Counts on the host are checked and summed there (one copy to the GPU); the device path
+    (check='async') sums them with cumsum: the same int32 offsets."""
+    for counts in ([5, 0, 7], [0, 0, 0], [12]):
+        tpe, rows = torch.tensor(counts), sum(counts)
+        host, _ = experts._offsets(tpe, rows, len(counts), torch.device("cpu"), None)
+        dev, _ = experts._offsets(tpe, rows, len(counts), torch.device("cpu"), "async")
+        assert host.dtype == dev.dtype == torch.int32 and torch.equal(host, dev)
+    # unchecked (check=False) counts are summed as they are
+    off, _ = experts._offsets(torch.tensor([4, -1]), 9, 2, torch.device("cpu"), False)
+    assert off.tolist() == [4, 3]
+
+
 def test_bad_tokens_per_expert():
     mlp = FP8GroupedMLP(3, 128, 32)
     q = make_q(torch.randn(10, 128))

@@ -104,12 +104,24 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     Rows must hold at most `topk` experts (the router guarantees it); no host sync."""
     t, e = routing_map.shape
     k = max(1, min(int(topk), e))
-    order = torch.arange(e, 0, -1, device=routing_map.device, dtype=torch.int32)
-    key = routing_map.to(torch.int32) * order
+    key = torch.where(routing_map, _descending(e, routing_map.device), 0)  # the lower expert, the larger key
     val, idx = torch.topk(key, k, dim=1, sorted=True)
     valid = val > 0
-    weights = torch.where(valid, probs.gather(1, idx), torch.zeros((), dtype=probs.dtype, device=probs.device))
-    return torch.where(valid, idx, torch.full_like(idx, -1)), weights
+    return torch.where(valid, idx, -1), torch.where(valid, probs.gather(1, idx), 0)
+
+
+def _descending(e: int, device) -> torch.Tensor:
+    """[e, e-1, ..., 1] int32 on device, made once (not kept when made inside a graph capture,
+    where its values would be written only by replays)."""
+    out = _DESCENDING.get((e, device))
+    if out is None:
+        out = torch.arange(e, 0, -1, device=device, dtype=torch.int32)
+        if not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DESCENDING[(e, device)] = out
+    return out
+
+
+_DESCENDING = {}
 
 
 def padded_rows(counts, tokens_per_expert, multiple, rows):
@@ -315,12 +327,12 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         else:
             tokens = _attach(carrier, tokens)
         if self.deliver_fp8:
-            # host counts for the FP8 wgrad: its per-expert GEMMs take their bounds (never in a
-            # graph, which cannot copy them in); else the device counts, with no copy at all
-            if (self.options.experts.fp8_wgrad and out.tokens_per_expert.is_cuda
-                    and not torch.cuda.is_current_stream_capturing()):
-                return tokens, torch.tensor(out.handle.tokens_per_expert_list, dtype=torch.int64), probs
-            return tokens, out.tokens_per_expert, probs
+            # the counts on the host, where the dispatch's sync put them: the FP8 experts check and
+            # sum them there, and the FP8 wgrad's per-expert GEMMs take their bounds; in a graph
+            # capture (which cannot copy them in) the device counts
+            if out.tokens_per_expert.is_cuda and torch.cuda.is_current_stream_capturing():
+                return tokens, out.tokens_per_expert, probs
+            return tokens, torch.tensor(out.handle.tokens_per_expert_list, dtype=torch.int64), probs
         counts = out.handle.tokens_per_expert_list
         if self.pad_multiple > 1:
             tokens, probs, counts = self._pad_for_quantization(tokens, probs, counts, out.tokens_per_expert)

@@ -126,15 +126,23 @@ class _FP8ExpertsMixin:
         want = (2 if act == "swiglu" else 1) * ffn
         if fc1_out != want:
             raise ValueError(f"fp8a2a: fc1 has {fc1_out} outputs, expected {want} for {act}")
-        # Compute only: its own parameters live on the meta device and are replaced per call by
-        # expert_weights stand-ins of Megatron's weights (torch.func.functional_call). Kept out of
-        # the module tree, so parameters, state_dict and checkpoints are exactly Megatron's.
+        # Compute only: its own parameters live on the meta device; each call runs it on
+        # expert_weights stand-ins of Megatron's weights (forward_with). Kept out of the module
+        # tree, so parameters, state_dict and checkpoints are exactly Megatron's.
         opts = resolve(config).experts
         self.__dict__["_fp8a2a_impl"] = FP8GroupedMLP(self.num_local_experts, hidden, ffn, act, device="meta",
                                                       fp8_dgrad=opts.fp8_dgrad, fp8_wgrad=opts.fp8_wgrad)
 
-    def _expert_params(self):  # -> ([E x [fc1_out, H]], [E x [H, ffn]])
+    def _param_slots(self):  # -> ([E x (module, name)] of the fc1 weights, the same of fc2's)
         raise NotImplementedError
+
+    def _expert_params(self):
+        """([E x [fc1_out, H]], [E x [H, ffn]]), read through the slots found once (the modules stay;
+        a parameter may be replaced, so each call reads it from its module's dict)."""
+        slots = self.__dict__.get("_fp8a2a_param_slots")
+        if slots is None:
+            slots = self.__dict__["_fp8a2a_param_slots"] = self._param_slots()
+        return tuple([m._parameters[n] for m, n in group] for group in slots)
 
     def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (fp8a2a.weight_cache.expert_weights)
         from ..experts import expert_weights
@@ -184,9 +192,7 @@ class _FP8ExpertsMixin:
             x = x.reshape(-1, x.shape[-1])
         self._run_weight_pre_hooks()  # e.g. Megatron DDP's wait for the overlapped param all-gather
         w1, w2 = self._fp8_weights()
-        y = torch.func.functional_call(self._fp8a2a_impl, {"fc1_weight": w1, "fc2_weight": w2},
-                                       (x, tokens_per_expert, permuted_probs.reshape(-1)))
-        return y, None
+        return self._fp8a2a_impl.forward_with(w1, w2, x, tokens_per_expert, permuted_probs.reshape(-1)), None
 
 
 def _sequential_cls():
@@ -201,9 +207,9 @@ def _sequential_cls():
             fc2 = self.local_experts[0].linear_fc2.weight
             self._fp8_setup(self.config, fc1.shape[0], fc1.shape[1], fc2.shape[1])
 
-        def _expert_params(self):
-            return ([e.linear_fc1.weight for e in self.local_experts],
-                    [e.linear_fc2.weight for e in self.local_experts])
+        def _param_slots(self):
+            return ([(e.linear_fc1, "weight") for e in self.local_experts],
+                    [(e.linear_fc2, "weight") for e in self.local_experts])
 
     return FP8SequentialMLP
 
@@ -221,12 +227,12 @@ def _te_grouped_cls():
             self._fp8_setup(self.config, w1[0].shape[0], w1[0].shape[1], w2[0].shape[1])
 
         def _weights_of(self, linear):
-            ws = [getattr(linear, f"weight{i}", None) for i in range(self.num_local_experts)]
-            if any(w is None for w in ws):
+            names = [f"weight{i}" for i in range(self.num_local_experts)]
+            if any(linear._parameters.get(n) is None for n in names):
                 raise ValueError("fp8a2a: FP8TEGroupedMLP needs TE GroupedLinear weights weight0..weight{E-1}")
-            return ws
+            return [(linear, n) for n in names]
 
-        def _expert_params(self):
+        def _param_slots(self):
             return self._weights_of(self.linear_fc1), self._weights_of(self.linear_fc2)
 
     return FP8TEGroupedMLP
