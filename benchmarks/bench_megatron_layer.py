@@ -37,6 +37,7 @@ where each millisecond of the step went (CUDA only).
 functional only (tests/test_bench_megatron_layer.py runs it)."""
 import argparse
 import json
+import re
 import statistics
 import time
 
@@ -267,18 +268,26 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
             for (suffix, opts), ref in zip(OPTIONS.items(), refs)]
 
 
-def profile_row(v):
-    """Where one cached step of v goes (costs.profile_call, prepare outside the profile), and the
-    device time a step's first micro-batch adds (its busy time less the cached step's: the weight
-    cast on the device, without the host gaps a wall-time difference hides it in); None off CUDA."""
-    c = costs.profile_call(lambda _: v.step(), setup=v.prepare)
+FP8_CUBLAS = re.compile(r"nvjet_sm90_qq")  # cuBLAS's FP8 GEMMs: in the FP8 experts' rows, their per-expert wgrad
+
+
+def profile_row(v, runs=1):
+    """Where one cached step of v goes (costs.profile_call, prepare outside the profile; the first of
+    `runs` profiled steps in detail, busy and cuBLAS FP8 GEMM time of each), and the device time a
+    step's first micro-batch adds (its busy time less the cached step's: the weight cast on the
+    device, without the host gaps a wall-time difference hides it in); None off CUDA."""
+    cs = [costs.profile_call(lambda _: v.step(), setup=v.prepare) for _ in range(runs)]
+    c = cs[0]
     if c is None:
         return None
     classes = costs.by_class(c["busy_us_by_op"])
     out = {"busy_ms": c["busy_us"] / 1e3, "by_class_ms": {k: us / 1e3 for k, us in classes.items()},
            "syncs": c["syncs"], "sync_calls": c["sync_calls"], "d2h": c["d2h"], "kernels": c["kernels"],
            "span_ms": c["span_us"] / 1e3, "gaps": c["gaps"],
-           "top_ms": [(op, us / 1e3) for op, us in costs.top_ops(c["busy_us_by_op"], 6)]}
+           "top_ms": [(op, us / 1e3) for op, us in costs.top_ops(c["busy_us_by_op"], 6)],
+           "busy_runs_ms": [x["busy_us"] / 1e3 for x in cs], "span_runs_ms": [x["span_us"] / 1e3 for x in cs],
+           "fp8_cublas_runs_ms": [sum(us for op, us in x["busy_us_by_op"].items() if FP8_CUBLAS.search(op)) / 1e3
+                                  for x in cs]}
     if v.first is not None:
         def first_microbatch():
             if v.prepare is not None:
@@ -326,7 +335,13 @@ def run_shape(name, shape, args, cuda):
         rows.update({v.name: summarize(v, runs) for v in vs})
         for v in vs if args.profile and cuda else ():
             if "error" not in rows[v.name]:
-                rows[v.name]["profile"] = profile_row(v)
+                rows[v.name]["profile"] = p = profile_row(v, args.repeat)
+                if p and v.cfg is not None and getattr(v.cfg, "fp8a2a_fp8_wgrad", False) and \
+                        getattr(v.cfg, "fp8a2a_experts", None) == "fp8" and all(p["fp8_cublas_runs_ms"]):
+                    # the per-expert cuBLAS wgrad GEMMs in the step: 2 * rows * (fc1 + fc2 weights)
+                    # of useful work, every routed row once (no capacity drop in these rows)
+                    flop = 2 * T * K * H * (2 * Fh + Fh) if v.cfg.gated_linear_unit else 2 * T * K * H * 2 * Fh
+                    p["wgrad_tflops_runs"] = [flop / ms / 1e9 for ms in p["fp8_cublas_runs_ms"]]
     for vname, r in rows.items():  # ratios per run, then their median
         if kind == "table":
             base_name = BASELINE
@@ -377,6 +392,14 @@ def format_table(res):
                 if "first_extra_busy_ms" in p:
                     out.append(f"    a step's first micro-batch: busy {p['first_busy_ms']:.2f} ms, "
                                f"{p['first_extra_busy_ms']:+.2f} ms of device time (the weight cast)")
+                if len(p.get("busy_runs_ms", ())) > 1:
+                    out.append(f"    busy over {len(p['busy_runs_ms'])} profiled steps: "
+                               f"{statistics.median(p['busy_runs_ms']):.2f} [{min(p['busy_runs_ms']):.2f}-"
+                               f"{max(p['busy_runs_ms']):.2f}] ms, span {statistics.median(p['span_runs_ms']):.2f}")
+                if p.get("wgrad_tflops_runs"):
+                    w = p["wgrad_tflops_runs"]
+                    out.append(f"    FP8 wgrad GEMMs (cuBLAS, per expert) in the step: {statistics.median(w):.0f} "
+                               f"[{min(w):.0f}-{max(w):.0f}] TFLOP/s of useful work")
                 out.append(f"    span {p['span_ms']:.2f} ms; longest gaps: " + "; ".join(
                     f"{g['us']:.0f} us {g['before'][:30]} -> {g['after'][:30]} ({' < '.join(h[:50] for h in g['host'])})"
                     for g in p["gaps"][:3]))
