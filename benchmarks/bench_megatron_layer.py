@@ -28,10 +28,12 @@ median of those paired differences, reported apart and folded in at 1, 8 and 32 
 optimizer step. te_recast_calls counts timed cached calls in which a TE linear would have recast
 (0 expected).
 
---profile: after the timing, one cached step of every row under torch.profiler (fp8a2a/bench/costs.py):
-its busy device time split by kernel class (copy, nccl, GEMM, quantize, permute, activation, other:
-costs.KERNEL_CLASSES), its host syncs and device-to-host copies, and its top kernels;
-where each millisecond of the step went (CUDA only).
+--profile: after the timing, one cached step of every row under torch.profiler per --repeat run
+(fp8a2a/bench/costs.py): the busy device time of each, and of the first its split by kernel class
+(copy, nccl, GEMM, quantize, permute, activation, other: costs.KERNEL_CLASSES), its host syncs and
+device-to-host copies, its top kernels and longest idle gaps; the device time a step's first
+micro-batch adds (the weight cast); for the FP8 experts with the FP8 wgrad, the rate of cuBLAS's FP8
+GEMMs in the step (their per-expert weight-gradient GEMMs): where each millisecond went (CUDA only).
 
 --cpu: tiny shapes, the variants that need neither TE nor CUDA (SequentialMLP experts), numbers
 functional only (tests/test_bench_megatron_layer.py runs it)."""
@@ -420,7 +422,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 3; CPU 1)")
     ap.add_argument("--repeat", type=int, default=1, help="time every shape's table this many times")
     ap.add_argument("--shapes", default=None, help="comma-separated indices of the shapes to run (default all)")
-    ap.add_argument("--profile", action="store_true", help="then profile one cached step of every row (CUDA only)")
+    ap.add_argument("--profile", action="store_true", help="then profile one cached step of every row per run (CUDA only)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
