@@ -11,8 +11,11 @@ Alternatives, each a function patched in for that row's calls only:
   functional_call   the experts run FP8GroupedMLP through torch.func.functional_call (a
                     parameter swap per call), not FP8GroupedMLP.forward_with
   device counts     the dispatcher hands the FP8 experts the counts on the device: they sum them
-                    there (cumsum) and check them with a device assert, not on the host
-  getattr params    the 16 expert parameters read through nn.Module attribute lookups
+                    there (cumsum) and check them with a device assert, not on the host (this row
+                    also builds the host counts' tensor before dropping it: a few us more than the
+                    path it stands for)
+  getattr params    the expert parameters (two per expert) read through nn.Module attribute
+                    lookups, not the module and parameter dicts
   ten-op routing    Megatron's routing map turned into top-k with ten ops, not six
   all               every alternative at once: the host path before these choices (but for
                     the cached device-capability query and fc2's weight looked up after fc1's launch)
@@ -73,7 +76,7 @@ def _device_counts_postprocess(self, hidden_states, probs):
 ALTERNATIVES = {
     "functional_call": {(me._FP8ExpertsMixin, "forward"): _functional_call_forward},
     "device counts": {(md.FP8AlltoAllTokenDispatcher, "dispatch_postprocess"): _device_counts_postprocess},
-    "getattr params": {(me._FP8ExpertsMixin, "_expert_params"): _getattr_params},
+    "getattr params": {(cls, "_expert_params"): _getattr_params for cls in me.fp8_expert_classes().values()},
     "ten-op routing": {(md, "routing_map_to_topk"): _ten_op_routing},
 }
 ALTERNATIVES["all"] = {k: v for alt in list(ALTERNATIVES.values()) for k, v in alt.items()}

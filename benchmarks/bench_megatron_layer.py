@@ -28,8 +28,8 @@ median of those paired differences, reported apart and folded in at 1, 8 and 32 
 optimizer step. te_recast_calls counts timed cached calls in which a TE linear would have recast
 (0 expected).
 
---profile: after the timing, one cached step of every row under torch.profiler per --repeat run
-(fp8a2a/bench/costs.py): the busy device time of each, and of the first its split by kernel class
+--profile: after the timing, --repeat cached steps of every row under torch.profiler, one after
+another (fp8a2a/bench/costs.py): the busy device time of each, and of the first its split by kernel class
 (copy, nccl, GEMM, quantize, permute, activation, other: costs.KERNEL_CLASSES), its host syncs and
 device-to-host copies, its top kernels and longest idle gaps; the device time a step's first
 micro-batch adds (the weight cast); for the FP8 experts with the FP8 wgrad, the rate of cuBLAS's FP8
@@ -270,15 +270,17 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
             for (suffix, opts), ref in zip(OPTIONS.items(), refs)]
 
 
-FP8_CUBLAS = re.compile(r"nvjet_sm90_qq")  # cuBLAS's FP8 GEMMs: in the FP8 experts' rows, their per-expert wgrad
+# cuBLAS's FP8 GEMMs on Hopper (its kernel names; elsewhere no rate is reported): in the FP8 experts'
+# rows, their per-expert wgrad
+FP8_CUBLAS = re.compile(r"nvjet_sm90_qq")
 
 
-def profile_row(v, runs=1):
+def profile_row(v, steps=1):
     """Where one cached step of v goes (costs.profile_call, prepare outside the profile; the first of
-    `runs` profiled steps in detail, busy and cuBLAS FP8 GEMM time of each), and the device time a
+    `steps` profiled steps in detail, busy and cuBLAS FP8 GEMM time of each), and the device time a
     step's first micro-batch adds (its busy time less the cached step's: the weight cast on the
     device, without the host gaps a wall-time difference hides it in); None off CUDA."""
-    cs = [costs.profile_call(lambda _: v.step(), setup=v.prepare) for _ in range(runs)]
+    cs = [costs.profile_call(lambda _: v.step(), setup=v.prepare) for _ in range(steps)]
     c = cs[0]
     if c is None:
         return None
@@ -422,7 +424,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 3; CPU 1)")
     ap.add_argument("--repeat", type=int, default=1, help="time every shape's table this many times")
     ap.add_argument("--shapes", default=None, help="comma-separated indices of the shapes to run (default all)")
-    ap.add_argument("--profile", action="store_true", help="then profile one cached step of every row per run (CUDA only)")
+    ap.add_argument("--profile", action="store_true", help="then profile --repeat cached steps of every row (CUDA only)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu

@@ -61,6 +61,7 @@ from .wire import BLOCK, FP8
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
+_INT32_MAX = 2 ** 31 - 1  # the GEMMs' row offsets are int32
 
 
 @dataclass(frozen=True)
@@ -520,8 +521,8 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
     """(offs int32 [E] on device, the counts on the host or None): keep_host keeps counts given on
     the host (the FP8 wgrad's per-expert GEMMs take their bounds; not in a graph capture, whose
     replays would keep this call's bounds). Counts on the host are checked (unless check is False
-    or 'async') and summed there, and reach the device in one copy; counts on the device are summed
-    there."""
+    or 'async') and summed there, and reach the device in one copy; counts on the device, and
+    counts on the host under check='async' or a graph capture, are summed on the device."""
     tpe = torch.as_tensor(tokens_per_expert)
     if (tpe.dim() != 1 or tpe.numel() != num_experts or tpe.is_floating_point() or tpe.is_complex()
             or tpe.dtype == torch.bool or tpe.device.type == "meta"):
@@ -535,8 +536,11 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
         if check is not False and (min(counts, default=0) < 0 or sum(counts) != rows):
             raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
                              f"but the input has {rows} rows (they must match, no count negative)")
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
-        return offs.to(device, non_blocking=True), (tuple(counts) if keep_host and device.type == "cuda" else None)
+        ends = list(itertools.accumulate(counts))
+        if ends and max(ends) > _INT32_MAX:
+            raise ValueError(f"fp8a2a: tokens_per_expert {counts}: the row offsets pass 2**31 - 1")
+        host = tuple(counts) if keep_host and device.type == "cuda" else None
+        return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True), host
     if check is None:
         check = "sync" if tpe.device.type == "cpu" else "async"
     if check is True or check == "sync":
@@ -544,12 +548,14 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
         if bool((counts < 0).any()) or int(counts.sum()) != rows:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
                              f"but the input has {rows} rows (they must match, no count negative)")
+    host = tuple(tpe.tolist()) if keep_host and tpe.device.type == "cpu" and device.type == "cuda" and not capturing \
+        else None
     offs = torch.cumsum(tpe.to(device, non_blocking=True), 0, dtype=torch.int32)
     if check == "async" and num_experts and not capturing:
         # a negative count would make the offsets go back: the GEMMs would read outside the groups
         torch._assert_async((offs[-1] == rows) & (tpe.min() >= 0),
                             "fp8a2a: tokens_per_expert does not sum to the rows given, or a count is negative")
-    return offs, None
+    return offs, host
 
 
 def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights, fp8_wgrad):
@@ -630,8 +636,9 @@ class FP8GroupedMLP(torch.nn.Module):
 
     def forward_with(self, fc1_weight, fc2_weight, q, tokens_per_expert, router_weights=None, *, check=None):
         """forward with these weights in place of the module's parameters (as
-        torch.func.functional_call would, without its per-call swapping of the parameters): e.g.
-        expert_weights stand-ins of another module's per-expert parameters."""
+        torch.func.functional_call would, without its per-call swapping of the parameters, and
+        without the module's hooks): e.g. expert_weights stand-ins of another module's per-expert
+        parameters."""
         xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
                                                     self.backend, check, router_weights, self.fp8_wgrad)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)

@@ -133,16 +133,11 @@ class _FP8ExpertsMixin:
         self.__dict__["_fp8a2a_impl"] = FP8GroupedMLP(self.num_local_experts, hidden, ffn, act, device="meta",
                                                       fp8_dgrad=opts.fp8_dgrad, fp8_wgrad=opts.fp8_wgrad)
 
-    def _param_slots(self):  # -> ([E x (module, name)] of the fc1 weights, the same of fc2's)
+    def _expert_params(self):  # -> ([E x [fc1_out, H]], [E x [H, ffn]])
+        """Read from the module and parameter dicts on every call (a submodule or parameter may be
+        replaced), without nn.Module's attribute lookup: this runs between the dispatch's sync and
+        the experts' first GEMM, where the GPU waits on the host."""
         raise NotImplementedError
-
-    def _expert_params(self):
-        """([E x [fc1_out, H]], [E x [H, ffn]]), read through the slots found once (the modules stay;
-        a parameter may be replaced, so each call reads it from its module's dict)."""
-        slots = self.__dict__.get("_fp8a2a_param_slots")
-        if slots is None:
-            slots = self.__dict__["_fp8a2a_param_slots"] = self._param_slots()
-        return tuple([m._parameters[n] for m, n in group] for group in slots)
 
     def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (fp8a2a.weight_cache.expert_weights)
         from ..experts import expert_weights
@@ -207,9 +202,10 @@ def _sequential_cls():
             fc2 = self.local_experts[0].linear_fc2.weight
             self._fp8_setup(self.config, fc1.shape[0], fc1.shape[1], fc2.shape[1])
 
-        def _param_slots(self):
-            return ([(e.linear_fc1, "weight") for e in self.local_experts],
-                    [(e.linear_fc2, "weight") for e in self.local_experts])
+        def _expert_params(self):
+            experts = self._modules["local_experts"]._modules.values()
+            return ([e._modules["linear_fc1"]._parameters["weight"] for e in experts],
+                    [e._modules["linear_fc2"]._parameters["weight"] for e in experts])
 
     return FP8SequentialMLP
 
@@ -226,14 +222,15 @@ def _te_grouped_cls():
             w1, w2 = self._expert_params()
             self._fp8_setup(self.config, w1[0].shape[0], w1[0].shape[1], w2[0].shape[1])
 
-        def _weights_of(self, linear):
-            names = [f"weight{i}" for i in range(self.num_local_experts)]
-            if any(linear._parameters.get(n) is None for n in names):
+        def _expert_params(self):
+            names = self.__dict__.get("_fp8a2a_weight_names")
+            if names is None:
+                names = self.__dict__["_fp8a2a_weight_names"] = [f"weight{i}" for i in range(self.num_local_experts)]
+            out = tuple([self._modules[linear]._parameters.get(n) for n in names]
+                        for linear in ("linear_fc1", "linear_fc2"))
+            if any(w is None for ws in out for w in ws):
                 raise ValueError("fp8a2a: FP8TEGroupedMLP needs TE GroupedLinear weights weight0..weight{E-1}")
-            return [(linear, n) for n in names]
-
-        def _param_slots(self):
-            return self._weights_of(self.linear_fc1), self._weights_of(self.linear_fc2)
+            return out
 
     return FP8TEGroupedMLP
 
