@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .kernels import capability, quantize_rows, triton_kernels, triton_ok
+from .kernels import capability, constant, quantize_rows, triton_kernels, triton_ok
 from .quant import QuantizedTensor, quantize, scale_rule
 from .weight_cache import (dense_weight, expert_weights,  # noqa: F401  (expert_weights,
                            fp8_weight, invalidate_fp8_weight_cache, is_stand_in)  # invalidate...: re-exported)
@@ -262,14 +262,8 @@ def _quant_col_scaled(cfg, g, col_scale, offs):
 
 def _unit_scales(E, K, device):
     """float32 ones [E, K]: the B scales of a GEMM whose scales were folded into A, one per shape."""
-    key = (E, K, torch.device(device))
-    ones = _UNIT_SCALES.get(key)
-    if ones is None:
-        ones = _UNIT_SCALES[key] = torch.ones((E, K), dtype=torch.float32, device=device)
-    return ones
-
-
-_UNIT_SCALES = {}
+    return constant(("unit_scales", E, K, torch.device(device)),
+                    lambda: torch.ones((E, K), dtype=torch.float32, device=device))
 
 
 def _row_groups(offs, rows):
@@ -531,25 +525,19 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
     if check not in (None, True, False, "sync", "async"):
         raise ValueError(f"fp8a2a: check must be None, True, False, 'sync' or 'async', got {check!r}")
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
-    if tpe.device.type == "cpu" and check != "async" and not capturing:  # checked, summed here, one copy in
-        counts = tpe.tolist()
-        if check is not False and (min(counts, default=0) < 0 or sum(counts) != rows):
-            raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
-                             f"but the input has {rows} rows (they must match, no count negative)")
+    on_host = tpe.device.type == "cpu"
+    if check is None:
+        check = "sync" if on_host else "async"
+    counts = tpe.tolist() if on_host or check in (True, "sync") else None  # (counts on the GPU: a host sync)
+    if check in (True, "sync") and (min(counts, default=0) < 0 or sum(counts) != rows):
+        raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
+                         f"but the input has {rows} rows (they must match, no count negative)")
+    host = tuple(counts) if keep_host and on_host and device.type == "cuda" and not capturing else None
+    if on_host and check != "async" and not capturing:  # summed here, one copy in
         ends = list(itertools.accumulate(counts))
         if ends and max(ends) > _INT32_MAX:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts}: the row offsets pass 2**31 - 1")
-        host = tuple(counts) if keep_host and device.type == "cuda" else None
         return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True), host
-    if check is None:
-        check = "sync" if tpe.device.type == "cpu" else "async"
-    if check is True or check == "sync":
-        counts = tpe.cpu()
-        if bool((counts < 0).any()) or int(counts.sum()) != rows:
-            raise ValueError(f"fp8a2a: tokens_per_expert {counts.tolist()} sums to {int(counts.sum())}, "
-                             f"but the input has {rows} rows (they must match, no count negative)")
-    host = tuple(tpe.tolist()) if keep_host and tpe.device.type == "cpu" and device.type == "cuda" and not capturing \
-        else None
     offs = torch.cumsum(tpe.to(device, non_blocking=True), 0, dtype=torch.int32)
     if check == "async" and num_experts and not capturing:
         # a negative count would make the offsets go back: the GEMMs would read outside the groups

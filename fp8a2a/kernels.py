@@ -31,6 +31,20 @@ def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
+def constant(key, make):
+    """make(), a small tensor that never changes, made once per key. One made inside a CUDA graph
+    capture is not kept: its values are written only by the graph's replays."""
+    out = _CONSTANTS.get(key)
+    if out is None:
+        out = make()
+        if not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _CONSTANTS[key] = out
+    return out
+
+
+_CONSTANTS = {}
+
+
 def triton_ok(t: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on t: a CUDA tensor, with Triton installed."""
     return t.is_cuda and triton_kernels() is not None

@@ -1033,3 +1033,16 @@ def test_gpu_triton_elementwise_kernels():
         rq, rqs = quantize_reference(h * rw[:, None], "row")
         torch.testing.assert_close(qs, rqs, rtol=1e-6, atol=0)
         assert (q.float() == rq.float()).float().mean() > 0.999
+
+
+def test_constant_is_made_once_per_key():
+    from fp8a2a.kernels import constant
+    made = []
+
+    def make():
+        made.append(1)
+        return torch.ones(3)
+    a = constant(("test_constant", 3), make)
+    b = constant(("test_constant", 3), make)
+    assert a is b and made == [1] and torch.equal(a, torch.ones(3))
+    assert constant(("test_constant", 4), lambda: torch.zeros(4)).shape == (4,)

@@ -62,6 +62,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .. import Dispatcher
+from ..kernels import constant
 from ..quant import QuantizedTensor, dequantize
 from .options import Options, resolve
 
@@ -104,24 +105,12 @@ def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: in
     Rows must hold at most `topk` experts (the router guarantees it); no host sync."""
     t, e = routing_map.shape
     k = max(1, min(int(topk), e))
-    key = torch.where(routing_map, _descending(e, routing_map.device), 0)  # the lower expert, the larger key
+    descending = constant(("descending", e, routing_map.device),  # the lower expert, the larger key
+                          lambda: torch.arange(e, 0, -1, device=routing_map.device, dtype=torch.int32))
+    key = torch.where(routing_map, descending, 0)
     val, idx = torch.topk(key, k, dim=1, sorted=True)
     valid = val > 0
     return torch.where(valid, idx, -1), torch.where(valid, probs.gather(1, idx), 0)
-
-
-def _descending(e: int, device) -> torch.Tensor:
-    """[e, e-1, ..., 1] int32 on device, made once (not kept when made inside a graph capture,
-    where its values would be written only by replays)."""
-    out = _DESCENDING.get((e, device))
-    if out is None:
-        out = torch.arange(e, 0, -1, device=device, dtype=torch.int32)
-        if not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _DESCENDING[(e, device)] = out
-    return out
-
-
-_DESCENDING = {}
 
 
 def padded_rows(counts, tokens_per_expert, multiple, rows):
