@@ -4,6 +4,7 @@
 else the engine alone (the Function's bookkeeping is a host cost on every call).
 """
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import exchange, ops
 from .exchange import ExchangeSpec, Layout, Route
@@ -63,6 +64,7 @@ class _DispatchFn(torch.autograd.Function):
         return anchor, weights, data, scale, tpe, layout, anchor32
 
     @staticmethod
+    @once_differentiable  # its exchange has no derivative of its own: a double backward raises
     def backward(ctx, grad_rows, grad_weights, _data, _scale, _tpe, _layout, grad_rows32):
         h: Layout = ctx.layout
         spec = h.spec
@@ -102,6 +104,7 @@ class _CombineFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y):
         h: Layout = ctx.layout
         expert_out, weights = ctx.saved_tensors

@@ -88,6 +88,9 @@ class Layout(Route):
     # received router weights [N], autograd-connected: set on the handle users get (with_weights),
     # never on the one a backward keeps (it would close a reference cycle through the graph)
     weights: Optional[torch.Tensor] = None
+    # topk_idx's version counter at the dispatch (None: it has none): combine's backward routes dy
+    # by topk_idx against the counts of that dispatch, so an in-place change since then must raise
+    topk_version: Optional[int] = None
 
     @property
     def tokens_per_expert_list(self) -> List[int]:
@@ -107,6 +110,13 @@ class Layout(Route):
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return None
 
 
 # ---- the collectives --------------------------------------------------------------------------
@@ -161,7 +171,10 @@ def tensor_scale(spec: ExchangeSpec, x):
     1 / s; [s, 448 / amax] for one from the amax: the scale rule, so the bytes equal row
     granularity's for the same amax)."""
     if spec.tensor_scale is not None:
-        scale = spec.tensor_scale.reshape(()).to(device=x.device, dtype=torch.float32)
+        # a copy, so the tokens keep the value they were quantized with when the caller updates its
+        # scale in place; a scale that requires grad stays itself: its gradient flows through them
+        given = spec.tensor_scale
+        scale = given.reshape(()).to(device=x.device, dtype=torch.float32, copy=not given.requires_grad)
         return scale, scale
     amax = tensor_amax(x)
     if spec.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
@@ -208,7 +221,8 @@ def dispatch(spec: ExchangeSpec, x, route: Route, needs_grad=False, fail_peers=N
     data, scale_rows, weights, tpe, slot_pos, _ = unpack(recv, route, wire, recv_counts, hidden, x.dtype, num_rows)
     layout = Layout(route.topk_idx, route.topk_weights, spec=spec, hidden=hidden, dtype=x.dtype, wire=wire,
                     send_pos=send_pos, slot_pos=slot_pos, recv_counts=recv_counts, recv_counts_host=theirs,
-                    send_splits=send_splits, recv_splits=recv_splits, num_rows=num_rows, tensor_scale=scale)
+                    send_splits=send_splits, recv_splits=recv_splits, num_rows=num_rows, tensor_scale=scale,
+                    topk_version=_version(route.topk_idx))
     return data, scale_rows, weights, tpe, layout
 
 
@@ -228,6 +242,7 @@ def _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts)
         spec.checked_static.add(key)
     splits = [route.rank_capacity] * spec.world
     num_rows = spec.world * route.expert_capacity * spec.num_local_experts
+    bad = counts[0, CountsCol.BAD_IDS]
     recv = all_to_all(spec, send, splits, splits)
     data, scale_rows, weights, tpe, slot_pos, _ = unpack(recv, route, spec.code, recv_counts, x.shape[1], x.dtype,
                                                          num_rows)
@@ -235,8 +250,9 @@ def _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts)
     layout = Layout(route.topk_idx, route.topk_weights, route.rank_capacity, route.expert_capacity, route.dropped,
                     spec=spec, hidden=x.shape[1], dtype=x.dtype, wire=spec.code, send_pos=send_pos,
                     slot_pos=slot_pos, recv_counts=recv_counts, send_splits=splits, recv_splits=splits,
-                    num_rows=num_rows, tensor_scale=scale, invalid_ids=counts[0, CountsCol.BAD_IDS],
-                    tokens_received=tpe)
+                    num_rows=num_rows, tensor_scale=scale, topk_version=_version(route.topk_idx),
+                    # the ids as the caller gave them: expert TP replicated each one tp times
+                    invalid_ids=bad if spec.tp == 1 else bad // spec.tp, tokens_received=tpe)
     return data, scale_rows, weights, padded, layout
 
 
@@ -331,6 +347,10 @@ def redispatch(grad_y, layout: Layout):
     """Combine's backward: dy to the experts over the cached layout (FP8 unless the forward dispatch
     went unquantized), no counts exchange, no host sync. (data, scale, wire): raw data is dy's rows
     in the dispatch's dtype."""
+    if layout.topk_version is not None and _version(layout.topk_idx) != layout.topk_version:
+        raise RuntimeError("fp8a2a: topk_idx was modified in place after its dispatch, and the backward of that "
+                           "dispatch's combine routes by it: pass a tensor left as it is until the backward ran "
+                           "(e.g. a copy)")
     wire = Granularity.RAW if layout.wire == Granularity.RAW else Granularity.ROW
     send, _, _ = pack(layout.spec, grad_y, layout, wire)
     recv = all_to_all(layout.spec, send, layout.send_splits, layout.recv_splits)

@@ -50,6 +50,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import ops
 from .kernels import capability, constant, quantize_rows, triton_kernels, triton_ok
@@ -440,6 +441,7 @@ class _GroupedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the GEMMs' backward is not differentiable: a double backward raises
     def backward(ctx, dy):
         xq, xs, weight, rw, offs = _saved(ctx)
         need_x, need_w, need_rw = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
@@ -469,6 +471,7 @@ class _GroupedMLP(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         xq, xs, z, hq, hs, w1, w2, rw, offs = _saved(ctx)
         cfg = ctx.cfg
@@ -538,10 +541,12 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
         if ends and max(ends) > _INT32_MAX:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts}: the row offsets pass 2**31 - 1")
         return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True), host
-    offs = torch.cumsum(tpe.to(device, non_blocking=True), 0, dtype=torch.int32)
+    tpe = tpe.to(device, non_blocking=True)
+    offs = torch.cumsum(tpe, 0, dtype=torch.int32)
     if check == "async" and num_experts and not capturing:
-        # a negative count would make the offsets go back: the GEMMs would read outside the groups
-        torch._assert_async((offs[-1] == rows) & (tpe.min() >= 0),
+        # summed in int64 (the int32 offsets wrap past 2^31); a negative count would make the
+        # offsets go back: the GEMMs would read outside the groups
+        torch._assert_async((tpe.sum() == rows) & (tpe.min() >= 0),
                             "fp8a2a: tokens_per_expert does not sum to the rows given, or a count is negative")
     return offs, host
 

@@ -112,7 +112,10 @@ def _slot(weight):
     is valid; None where nothing may be cached)."""
     sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
     versions = tuple(_weight_version(t) for t in sources)
-    key = None if None in versions else (versions, _weight_epoch[0], tuple(t.data_ptr() for t in sources),
+    # where each source's values live and how: a new storage (.data = ...), view (.data = w.t())
+    # or dtype misses, though none of them moves the version counter
+    key = None if None in versions else (versions, _weight_epoch[0],
+                                         tuple((t.data_ptr(), t.dtype, t.stride()) for t in sources),
                                          weight.device, tuple(weight.shape))
     return sources, sources[0].__dict__.setdefault("_fp8a2a_cache", {}), key
 
@@ -164,8 +167,8 @@ def _tensors(out):
 
 def _cached(weight, kind, build):
     """build(sources) cached on the weight (on the first of its parameters for an expert_weights
-    stand-in) under kind. The one validity rule: recomputed when a version counter or storage of a
-    source changes, after every optimizer step (fused optimizers do not bump versions) and after
+    stand-in) under kind. The one validity rule: recomputed when a version counter, the address,
+    dtype or strides of a source change, after every optimizer step (fused optimizers do not bump versions) and after
     invalidate_fp8_weight_cache(); never cached for inference tensors (no version counter). A copy
     a CUDA graph reads is rebuilt in place. A miss under capture is built by the graph itself (it
     then rebuilds it at every replay; Megatron captures after eager warm-up runs, which hit)."""

@@ -352,6 +352,16 @@ def test_capacity_mode_counts_out_of_range_ids_on_every_call():
     assert run_ranks(2, fn, timeout=TIMEOUT) == [[0, 0, 0], [2, 0, 2]]
 
 
+def test_capacity_mode_counts_out_of_range_ids_once_under_expert_tp():
+    """Expert TP replicates each id over its TP ranks: invalid_ids counts the caller's ids."""
+    def fn(rank, world):
+        idx = torch.tensor([[0, 1], [1, 7], [0, -1], [1, 0]])  # one out-of-range id on each rank
+        out = fp8a2a.Dispatcher(2, capacity_factor=2.0, expert_tp_size=2).dispatch(torch.randn(4, 16), idx,
+                                                                                   torch.rand(4, 2))
+        return int(out.handle.invalid_ids)
+    assert run_ranks(2, fn, timeout=TIMEOUT) == [1, 1]
+
+
 def test_capacity_mode_counts_out_of_range_ids_at_world_size_one():
     d = fp8a2a.Dispatcher(E, capacity_factor=1.0)
     idx = torch.randint(0, E, (T, K))

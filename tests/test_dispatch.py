@@ -557,3 +557,56 @@ def test_given_tensor_scale_makes_a_non_finite_row_nan(bad):
     assert torch.equal(rows_got[~poisoned], rows_ref[~poisoned])
     y = d.combine(rows_got, got.handle)
     assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3, 4, 5]]).all()
+
+
+# ---- what the caller keeps: topk_idx, the tensor scale; second derivatives ----------------------
+
+def _routed(granularity="row", **kw):
+    d = fp8a2a.Dispatcher(2, granularity=granularity, bf16_below_bytes=0, **kw)
+    x = torch.randn(4, 16, requires_grad=True)
+    idx = torch.tensor([[0], [1], [0], [1]])
+    w = torch.ones(4, 1, requires_grad=True)
+    return d, x, idx, w
+
+
+def test_topk_idx_modified_before_combine_backward_raises():
+    """Combine's backward routes dy by topk_idx against the dispatch's counts: an in-place change in
+    between raises there instead of sending dy's rows to the wrong experts; untouched, the same
+    backward runs."""
+    d, x, idx, w = _routed()
+    for modify in (False, True):
+        out = d.dispatch(x, idx, w)
+        expert_out = out.dequantized(torch.float32).detach().requires_grad_()
+        y = d.combine(expert_out, out.handle)
+        if modify:
+            idx[0, 0], idx[1, 0] = 1, 0
+            with pytest.raises(RuntimeError, match="topk_idx was modified in place"):
+                y.sum().backward()
+        else:
+            y.sum().backward()
+            assert expert_out.grad is not None
+
+
+def test_tokens_keep_the_tensor_scale_they_were_quantized_with():
+    """The caller's tensor_scale is read at each dispatch, but the dispatched tokens hold a copy: an
+    update of the caller's scale (e.g. by the next micro-batch) leaves them as they were."""
+    scale = torch.tensor([0.01])
+    d, x, idx, w = _routed("tensor", tensor_scale=scale)
+    out = d.dispatch(x.detach(), idx, w.detach())
+    before = out.dequantized(torch.float32).clone()
+    scale.mul_(2)
+    assert torch.equal(out.dequantized(torch.float32), before)
+    later = d.dispatch(x.detach(), idx, w.detach())  # the next dispatch reads the new value
+    assert float(later.tokens.scale) == pytest.approx(0.02)
+
+
+def test_second_derivatives_raise():
+    """dispatch and combine have no second derivative: differentiating their gradients raises
+    instead of silently dropping the second-order terms."""
+    d, x, idx, w = _routed()
+    out = d.dispatch(x, idx, w)
+    expert_out = out.dequantized(torch.float32).clone().requires_grad_()
+    y = d.combine(expert_out, out.handle)
+    g, = torch.autograd.grad((y ** 2).sum(), expert_out, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (g * g).sum().backward()

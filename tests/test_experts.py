@@ -546,6 +546,19 @@ def test_fp8_weight_cache_invalidated_by_hand_after_data_writes():
     torch.testing.assert_close(b[1], a[1] * 2)
 
 
+def test_fp8_weight_cache_misses_a_new_view_or_dtype_of_the_same_storage():
+    """`.data = ...` moves no version counter: a view with other strides (same address, same shape)
+    or another dtype over the same bytes must not be served the old copy."""
+    w = torch.nn.Parameter(torch.randn(2, 64, 64, dtype=torch.bfloat16))
+    a = fp8_weight(w)
+    w.data = w.data.transpose(1, 2)
+    b = fp8_weight(w)
+    assert b is not a
+    assert torch.equal(b[0].view(torch.uint8), fp8_weight(w.detach().contiguous())[0].view(torch.uint8))
+    w.data = w.data.view(torch.float16)
+    assert fp8_weight(w) is not b
+
+
 def _graph_reads(weight, fp8_dgrad):
     """What the captured forward + backward of an FP8GroupedMLP read of weight: the row-wise FP8
     copy, and the transposed one (FP8 dgrad) or the BF16 stack (BF16 dgrad)."""
@@ -703,7 +716,8 @@ def test_bad_tokens_per_expert():
     with pytest.raises(ValueError, match="check must be"):
         mlp(q, torch.tensor([10, 0, 0]), check="bogus")
     # the GPU default (no host read): asserted on the device; on CPU _assert_async raises at once
-    for counts in ([12, -2, 0], [4, 0, 5]):
+    # ([2**32 + 4, 6, 0]: int32 offsets would wrap to the right total; the check sums in int64)
+    for counts in ([12, -2, 0], [4, 0, 5], [2**32 + 4, 6, 0]):
         with pytest.raises(RuntimeError, match="count is negative"):
             mlp(q, torch.tensor(counts), check="async")
 
@@ -1046,3 +1060,14 @@ def test_constant_is_made_once_per_key():
     b = constant(("test_constant", 3), make)
     assert a is b and made == [1] and torch.equal(a, torch.ones(3))
     assert constant(("test_constant", 4), lambda: torch.zeros(4)).shape == (4,)
+
+
+def test_second_derivatives_raise():
+    """The expert GEMMs' backward has no derivative of its own: differentiating their gradients
+    raises instead of silently dropping the second-order terms."""
+    x = torch.randn(9, 64, requires_grad=True)
+    w = torch.randn(3, 32, 64, requires_grad=True)
+    y = grouped_linear(make_q(x), w, torch.tensor([4, 0, 5]))
+    g, = torch.autograd.grad((y.float() ** 2).sum(), w, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (g * g).sum().backward()
