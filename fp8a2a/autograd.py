@@ -26,9 +26,8 @@ def dispatch_rows(spec: ExchangeSpec, x, topk_weights, route: Route, fail_peers=
     """(data, scale, weights, tokens per expert, the handle: a Layout with the weights, anchors).
     Raw rows are data itself; FP8 rows' gradient reaches x through `anchors`: zero-memory carriers
     (x's dtype, float32 or None), (None, None) when nothing needs a gradient."""
-    # The Function runs its forward without grad mode: so must every input (the tensor scale
-    # included) outside it, or an output could carry a history the Function's would not.
-    if not differentiable(x, topk_weights, spec.tensor_scale):
+    # (a given tensor scale is read detached: no gradient flows to it)
+    if not differentiable(x, topk_weights):
         data, scale_rows, weights, tpe, layout = exchange.dispatch(spec, x, route, False, fail_peers)
         return data, scale_rows, weights, tpe, layout.with_weights(weights), (None, None)
     rows, weights, data, scale_rows, tpe, layout, rows32 = _DispatchFn.apply(x, topk_weights, spec, route, fail_peers)

@@ -259,7 +259,7 @@ class Dispatcher:
         makes its peers raise too, rather than leave them waiting."""
         try:  # a rank whose input is rejected here makes the others raise too, not wait for it
             self._check_inputs(x, topk_idx, topk_weights)
-            capacity = {}
+            given_idx, capacity = topk_idx, {}
             if self.capacity_factor is not None:
                 t, k = topk_idx.shape
                 c = max(1, math.ceil((t * k / self.num_experts) * self.capacity_factor))  # Megatron's get_capacity
@@ -271,7 +271,12 @@ class Dispatcher:
                                 dropped=dropped)
             if self.tp > 1:
                 topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
-            route = Route(topk_idx.contiguous(), _float32_weights(topk_weights), **capacity)
+            idx = topk_idx.contiguous()
+            if idx is given_idx and torch.is_grad_enabled():
+                # combine's backward routes dy by these ids: a private copy, so that the caller
+                # changing its tensor in place before then cannot misroute that backward
+                idx = idx.clone()
+            route = Route(idx, _float32_weights(topk_weights), **capacity)
         except Exception:
             self._fail_peers(amax_pending=True)
             raise

@@ -88,9 +88,6 @@ class Layout(Route):
     # received router weights [N], autograd-connected: set on the handle users get (with_weights),
     # never on the one a backward keeps (it would close a reference cycle through the graph)
     weights: Optional[torch.Tensor] = None
-    # topk_idx's version counter at the dispatch (None: it has none): combine's backward routes dy
-    # by topk_idx against the counts of that dispatch, so an in-place change since then must raise
-    topk_version: Optional[int] = None
 
     @property
     def tokens_per_expert_list(self) -> List[int]:
@@ -110,13 +107,6 @@ class Layout(Route):
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor: no version counter
-        return None
 
 
 # ---- the collectives --------------------------------------------------------------------------
@@ -172,9 +162,8 @@ def tensor_scale(spec: ExchangeSpec, x):
     granularity's for the same amax)."""
     if spec.tensor_scale is not None:
         # a copy, so the tokens keep the value they were quantized with when the caller updates its
-        # scale in place; a scale that requires grad stays itself: its gradient flows through them
-        given = spec.tensor_scale
-        scale = given.reshape(()).to(device=x.device, dtype=torch.float32, copy=not given.requires_grad)
+        # scale in place (a given scale is a constant: no gradient flows to it)
+        scale = spec.tensor_scale.detach().reshape(()).to(device=x.device, dtype=torch.float32, copy=True)
         return scale, scale
     amax = tensor_amax(x)
     if spec.world > 1:  # documented: tensor mode without a given scale costs one all-reduce
@@ -221,8 +210,7 @@ def dispatch(spec: ExchangeSpec, x, route: Route, needs_grad=False, fail_peers=N
     data, scale_rows, weights, tpe, slot_pos, _ = unpack(recv, route, wire, recv_counts, hidden, x.dtype, num_rows)
     layout = Layout(route.topk_idx, route.topk_weights, spec=spec, hidden=hidden, dtype=x.dtype, wire=wire,
                     send_pos=send_pos, slot_pos=slot_pos, recv_counts=recv_counts, recv_counts_host=theirs,
-                    send_splits=send_splits, recv_splits=recv_splits, num_rows=num_rows, tensor_scale=scale,
-                    topk_version=_version(route.topk_idx))
+                    send_splits=send_splits, recv_splits=recv_splits, num_rows=num_rows, tensor_scale=scale)
     return data, scale_rows, weights, tpe, layout
 
 
@@ -250,7 +238,7 @@ def _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts)
     layout = Layout(route.topk_idx, route.topk_weights, route.rank_capacity, route.expert_capacity, route.dropped,
                     spec=spec, hidden=x.shape[1], dtype=x.dtype, wire=spec.code, send_pos=send_pos,
                     slot_pos=slot_pos, recv_counts=recv_counts, send_splits=splits, recv_splits=splits,
-                    num_rows=num_rows, tensor_scale=scale, topk_version=_version(route.topk_idx),
+                    num_rows=num_rows, tensor_scale=scale,
                     # the ids as the caller gave them: expert TP replicated each one tp times
                     invalid_ids=bad if spec.tp == 1 else bad // spec.tp, tokens_received=tpe)
     return data, scale_rows, weights, padded, layout
@@ -347,10 +335,6 @@ def redispatch(grad_y, layout: Layout):
     """Combine's backward: dy to the experts over the cached layout (FP8 unless the forward dispatch
     went unquantized), no counts exchange, no host sync. (data, scale, wire): raw data is dy's rows
     in the dispatch's dtype."""
-    if layout.topk_version is not None and _version(layout.topk_idx) != layout.topk_version:
-        raise RuntimeError("fp8a2a: topk_idx was modified in place after its dispatch, and the backward of that "
-                           "dispatch's combine routes by it: pass a tensor left as it is until the backward ran "
-                           "(e.g. a copy)")
     wire = Granularity.RAW if layout.wire == Granularity.RAW else Granularity.ROW
     send, _, _ = pack(layout.spec, grad_y, layout, wire)
     recv = all_to_all(layout.spec, send, layout.send_splits, layout.recv_splits)

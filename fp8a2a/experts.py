@@ -544,10 +544,13 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
     tpe = tpe.to(device, non_blocking=True)
     offs = torch.cumsum(tpe, 0, dtype=torch.int32)
     if check == "async" and num_experts and not capturing:
-        # summed in int64 (the int32 offsets wrap past 2^31); a negative count would make the
-        # offsets go back: the GEMMs would read outside the groups
-        torch._assert_async((tpe.sum() == rows) & (tpe.min() >= 0),
-                            "fp8a2a: tokens_per_expert does not sum to the rows given, or a count is negative")
+        # summed in int64 (the int32 offsets wrap past 2^31), with every count in [0, rows] so
+        # that the sum cannot wrap either; a negative count would make the offsets go back: the
+        # GEMMs would read outside the groups
+        lo, hi = torch.aminmax(tpe)
+        torch._assert_async((tpe.sum() == rows) & (lo >= 0) & (hi <= rows),
+                            "fp8a2a: tokens_per_expert does not sum to the rows given, or a count is negative "
+                            "or above the rows")
     return offs, host
 
 

@@ -30,13 +30,6 @@ def invalidate_fp8_weight_cache(*_):
 register_optimizer_step_post_hook(invalidate_fp8_weight_cache)
 
 
-def _weight_version(w):
-    try:
-        return w._version
-    except RuntimeError:  # inference tensors carry no version counter: never cache
-        return None
-
-
 class _ExpertWeights(torch.autograd.Function):
     """Stand-ins [E, N, K] for groups of E per-expert [N, K] parameters: no memory (zero strides),
     the gradient of each stand-in handed to its parameters as slices (views, no copy)."""
@@ -111,13 +104,16 @@ def _slot(weight):
     """(sources, the cache dict, the key of the weight's state now: every kind cached under this key
     is valid; None where nothing may be cached)."""
     sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
-    versions = tuple(_weight_version(t) for t in sources)
-    # where each source's values live and how: a new storage (.data = ...), view (.data = w.t())
-    # or dtype misses, though none of them moves the version counter
-    key = None if None in versions else (versions, _weight_epoch[0],
-                                         tuple((t.data_ptr(), t.dtype, t.stride()) for t in sources),
-                                         weight.device, tuple(weight.shape))
-    return sources, sources[0].__dict__.setdefault("_fp8a2a_cache", {}), key
+    # each source's version and where its values live: a new storage (.data = ...) misses, though it
+    # leaves the version counter as it was; dtype and strides of the first (per source they cost
+    # 3x the rest of the key at 256 experts; a group's parameters change dtype together)
+    first = sources[0]
+    try:
+        key = (tuple((t._version, t.data_ptr()) for t in sources), _weight_epoch[0], first.dtype, first.stride(),
+               weight.device, tuple(weight.shape))
+    except RuntimeError:  # inference tensors carry no version counter: never cache
+        key = None
+    return sources, first.__dict__.setdefault("_fp8a2a_cache", {}), key
 
 
 def _capturing(weight):

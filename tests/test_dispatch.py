@@ -569,22 +569,25 @@ def _routed(granularity="row", **kw):
     return d, x, idx, w
 
 
-def test_topk_idx_modified_before_combine_backward_raises():
-    """Combine's backward routes dy by topk_idx against the dispatch's counts: an in-place change in
-    between raises there instead of sending dy's rows to the wrong experts; untouched, the same
-    backward runs."""
-    d, x, idx, w = _routed()
+@pytest.mark.parametrize("capacity", [None, 2.0])
+def test_topk_idx_modified_before_combine_backward(capacity):
+    """Combine's backward routes dy by the dispatch's ids: the dispatch keeps its own copy under grad
+    mode, so the caller changing its topk_idx in place before that backward changes nothing (no
+    rank raises alone while its peers wait in the backward's exchange)."""
+    d, x, idx, w = _routed(capacity_factor=capacity)
+    grads = []
     for modify in (False, True):
-        out = d.dispatch(x, idx, w)
+        ids = idx.clone()
+        out = d.dispatch(x, ids, w)
         expert_out = out.dequantized(torch.float32).detach().requires_grad_()
         y = d.combine(expert_out, out.handle)
         if modify:
-            idx[0, 0], idx[1, 0] = 1, 0
-            with pytest.raises(RuntimeError, match="topk_idx was modified in place"):
-                y.sum().backward()
-        else:
-            y.sum().backward()
-            assert expert_out.grad is not None
+            ids[0, 0], ids[1, 0] = 1, 0
+        (y * torch.arange(1.0, 1 + y.numel()).view_as(y)).sum().backward()
+        grads.append(expert_out.grad)
+    assert torch.equal(grads[0], grads[1])
+    with torch.no_grad():  # no backward to protect: no copy (capacity mode routes by its own ids)
+        assert (d.dispatch(x, idx, w).handle.topk_idx is idx) == (capacity is None)
 
 
 def test_tokens_keep_the_tensor_scale_they_were_quantized_with():
@@ -610,3 +613,11 @@ def test_second_derivatives_raise():
     g, = torch.autograd.grad((y ** 2).sum(), expert_out, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         (g * g).sum().backward()
+    # dispatch's backward alone: x's gradient through the rows, without combine
+    for weighted in (False, True):
+        out = d.dispatch(x, idx, w)
+        rows = out.dequantized(torch.float32)
+        loss = ((rows * out.weights[:, None]) if weighted else rows).pow(2).sum()
+        gx, = torch.autograd.grad(loss, x, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            gx.pow(2).sum().backward()

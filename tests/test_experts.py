@@ -557,6 +557,13 @@ def test_fp8_weight_cache_misses_a_new_view_or_dtype_of_the_same_storage():
     assert torch.equal(b[0].view(torch.uint8), fp8_weight(w.detach().contiguous())[0].view(torch.uint8))
     w.data = w.data.view(torch.float16)
     assert fp8_weight(w) is not b
+    # a stand-in over per-expert parameters: new storage under any one of them misses
+    ps = [torch.nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16)) for _ in range(3)]
+    stand_in, = expert_weights(ps)
+    a = fp8_weight(stand_in)
+    ps[2].data = ps[2].data * 2
+    b = fp8_weight(stand_in)
+    assert b is not a and torch.equal(b[1][2], a[1][2] * 2) and torch.equal(b[1][:2], a[1][:2])
 
 
 def _graph_reads(weight, fp8_dgrad):
@@ -716,8 +723,9 @@ def test_bad_tokens_per_expert():
     with pytest.raises(ValueError, match="check must be"):
         mlp(q, torch.tensor([10, 0, 0]), check="bogus")
     # the GPU default (no host read): asserted on the device; on CPU _assert_async raises at once
-    # ([2**32 + 4, 6, 0]: int32 offsets would wrap to the right total; the check sums in int64)
-    for counts in ([12, -2, 0], [4, 0, 5], [2**32 + 4, 6, 0]):
+    # ([2**32 + 4, 6, 0]: int32 offsets would wrap to the right total; the check sums in int64;
+    # [2**63 - 1, 2**63 - 1, 12]: so would an int64 sum, had the counts no upper bound)
+    for counts in ([12, -2, 0], [4, 0, 5], [2**32 + 4, 6, 0], [2**63 - 1, 2**63 - 1, 12]):
         with pytest.raises(RuntimeError, match="count is negative"):
             mlp(q, torch.tensor(counts), check="async")
 
@@ -1071,3 +1079,9 @@ def test_second_derivatives_raise():
     g, = torch.autograd.grad((y.float() ** 2).sum(), w, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         (g * g).sum().backward()
+    mlp = FP8GroupedMLP(3, 64, 32)  # the fused MLP's own Function, for its weights and its input
+    y = mlp(make_q(x), torch.tensor([4, 0, 5]))
+    for wrt in (mlp.fc1_weight, x):
+        g, = torch.autograd.grad((y.float() ** 2).sum(), wrt, create_graph=True, retain_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            (g * g).sum().backward()
