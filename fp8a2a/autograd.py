@@ -41,7 +41,7 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, spec, route, fail_peers):
         # the header says whether this rank's backward will exchange: only x's and the weights'
-        # gradients travel (a tensor scale's reaches it through the dequantized rows)
+        # gradients travel
         needs_grad = x.requires_grad or topk_weights.requires_grad
         data, scale, weights, tpe, layout = exchange.dispatch(spec, x, route, needs_grad, fail_peers)
         ctx.layout = layout  # without the weights: they would close a reference cycle through ctx

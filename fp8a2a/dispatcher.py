@@ -272,9 +272,9 @@ class Dispatcher:
             if self.tp > 1:
                 topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
             idx = topk_idx.contiguous()
-            if idx is given_idx and torch.is_grad_enabled():
-                # combine's backward routes dy by these ids: a private copy, so that the caller
-                # changing its tensor in place before then cannot misroute that backward
+            if idx is given_idx and not torch.is_inference_mode_enabled():
+                # combine's backward (grad mode at combine decides) routes dy by these ids: a private
+                # copy, so that the caller changing its tensor in place cannot misroute it
                 idx = idx.clone()
             route = Route(idx, _float32_weights(topk_weights), **capacity)
         except Exception:

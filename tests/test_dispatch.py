@@ -586,7 +586,10 @@ def test_topk_idx_modified_before_combine_backward(capacity):
         (y * torch.arange(1.0, 1 + y.numel()).view_as(y)).sum().backward()
         grads.append(expert_out.grad)
     assert torch.equal(grads[0], grads[1])
-    with torch.no_grad():  # no backward to protect: no copy (capacity mode routes by its own ids)
+    # a dispatch without grad mode, a combine with it: the same copy protects combine's backward
+    with torch.no_grad():
+        assert d.dispatch(x, idx, w).handle.topk_idx is not idx
+    with torch.inference_mode():  # no backward can follow: no copy (capacity mode routes by its own ids)
         assert (d.dispatch(x, idx, w).handle.topk_idx is idx) == (capacity is None)
 
 
