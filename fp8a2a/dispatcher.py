@@ -41,8 +41,8 @@ class DispatcherConfig:
             raise ValueError(f"fp8a2a: bf16_below_bytes must be >= 0, got {self.bf16_below_bytes}")
         if self.expert_tp_size < 1:
             raise ValueError(f"fp8a2a: expert_tp_size must be >= 1, got {self.expert_tp_size}")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"fp8a2a: capacity_factor must be positive, got {self.capacity_factor}")
+        if self.capacity_factor is not None and not (0 < self.capacity_factor < math.inf):
+            raise ValueError(f"fp8a2a: capacity_factor must be positive and finite, got {self.capacity_factor}")
 
     @property
     def code(self) -> Granularity:
@@ -186,7 +186,10 @@ class Dispatcher:
         # read once here, on the host (one sync per Dispatcher for a device scale): checked, and as
         # float32 bits for the agreement check (-1: no scale, -2: an invalid one)
         scale_error, scale_bits = None, -1
-        if tensor_scale is not None:
+        if tensor_scale is not None and self.code != Granularity.TENSOR:
+            scale_error, scale_bits = ValueError(
+                f"fp8a2a: tensor_scale is only meaningful for granularity='tensor', got {config.granularity!r}"), -2
+        elif tensor_scale is not None:
             try:
                 tensor_scale = torch.as_tensor(tensor_scale)
                 scale_bits = int(checked_tensor_scale(tensor_scale.detach().float().cpu()).view(torch.int32))
@@ -272,9 +275,10 @@ class Dispatcher:
             if self.tp > 1:
                 topk_idx, topk_weights = self._replicate_over_tp(topk_idx, topk_weights)
             idx = topk_idx.contiguous()
-            if idx is given_idx and not torch.is_inference_mode_enabled():
-                # combine's backward (grad mode at combine decides) routes dy by these ids: a private
-                # copy, so that the caller changing its tensor in place cannot misroute it
+            if idx is given_idx:
+                # combine's backward routes dy by these ids (grad mode at combine decides: also after a
+                # dispatch under no_grad or inference mode): a private copy, so that the caller
+                # changing its tensor in place cannot misroute it
                 idx = idx.clone()
             route = Route(idx, _float32_weights(topk_weights), **capacity)
         except Exception:
@@ -336,6 +340,9 @@ class Dispatcher:
         if topk_weights.shape != topk_idx.shape:
             raise ValueError(f"fp8a2a: topk_weights {tuple(topk_weights.shape)} must match topk_idx "
                              f"{tuple(topk_idx.shape)}")
+        if x.layout != torch.strided or topk_idx.layout != torch.strided or topk_weights.layout != torch.strided:
+            raise ValueError(f"fp8a2a: dispatch needs strided (dense) tensors, got layouts {x.layout}, "
+                             f"{topk_idx.layout} and {topk_weights.layout}")
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"fp8a2a: x must be float32, float16 or bfloat16, got {x.dtype}")
         if x.shape[1] == 0:
@@ -407,6 +414,8 @@ def _combine_input_error(expert_out, handle: DispatchHandle) -> Optional[Excepti
     if not isinstance(expert_out, torch.Tensor):
         return TypeError(f"fp8a2a: combine expects expert_out as a torch.Tensor (dequantize a QuantizedTensor "
                          f"first), got {type(expert_out).__name__}")
+    if expert_out.layout != torch.strided:
+        return ValueError(f"fp8a2a: combine needs a strided (dense) expert_out, got layout {expert_out.layout}")
     if expert_out.dim() != 2 or expert_out.shape != (handle.num_rows, handle.hidden):
         return ValueError(f"fp8a2a: expert_out must be [{handle.num_rows}, {handle.hidden}] (the dispatched rows), "
                           f"got {tuple(expert_out.shape)}")

@@ -422,13 +422,28 @@ def _act_bwd(cfg, z, dh, rw):
 
 def _save(ctx, *tensors):
     """ctx.save_for_backward, but expert_weights stand-ins (no values: their identity names the
-    parameters) are kept as they are, out of reach of saved-tensor hooks that would copy them."""
-    ctx.stand_ins = {i: t for i, t in enumerate(tensors) if t is not None and is_stand_in(t)}
+    parameters) are kept as they are, out of reach of saved-tensor hooks that would copy them, with
+    their parameters' versions: autograd's check of a saved tensor, which their backward reads."""
+    ctx.stand_ins = {i: (t, _versions(t)) for i, t in enumerate(tensors) if t is not None and is_stand_in(t)}
     ctx.save_for_backward(*(None if i in ctx.stand_ins else t for i, t in enumerate(tensors)))
 
 
+def _versions(stand_in):
+    """The sum of the version counters of a stand-in's parameters (each only grows: any in-place
+    write changes the sum); None for inference tensors, which have none."""
+    try:
+        return sum(t._version for t in stand_in.__dict__["_fp8a2a_sources"])
+    except RuntimeError:
+        return None
+
+
 def _saved(ctx):
-    return tuple(ctx.stand_ins.get(i, t) for i, t in enumerate(ctx.saved_tensors))
+    for t, version in ctx.stand_ins.values():
+        if version is not None and _versions(t) != version:
+            raise RuntimeError("fp8a2a: one of the variables needed for gradient computation has been modified by "
+                               "an inplace operation: an expert weight (a parameter behind expert_weights) was "
+                               "written between the forward and its backward")
+    return tuple(ctx.stand_ins[i][0] if i in ctx.stand_ins else t for i, t in enumerate(ctx.saved_tensors))
 
 
 class _GroupedLinear(torch.autograd.Function):

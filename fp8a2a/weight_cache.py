@@ -105,7 +105,8 @@ def _slot(weight):
     is valid; None where nothing may be cached)."""
     sources = weight.__dict__.get("_fp8a2a_sources") or (weight,)
     # each source's version and where its values live: a new storage (.data = ...) misses, though it
-    # leaves the version counter as it was; dtype and strides of the first (per source they cost
+    # leaves the version counter as it was (_store keeps the old storage alive, so that its address
+    # cannot come back); dtype and strides of the first (per source they cost
     # 3x the rest of the key at 256 experts; a group's parameters change dtype together)
     first = sources[0]
     try:
@@ -153,7 +154,9 @@ def _store(sources, cache, kind, key, out):
             raise RuntimeError("fp8a2a: an expert weight a captured CUDA graph reads changed its shape or dtype "
                                "(or its cached copy was dropped); capture the graph again")
     if key is not None or kind in graphed:  # a graphed copy with no key is refilled at every call
-        cache[kind] = (key, out)
+        # the sources' storages stay alive with their copy: no new storage can take their address,
+        # so a key that matches names the same memory (a freed one could be reused by `.data = ...`)
+        cache[kind] = (key, out, tuple(t.untyped_storage() for t in sources))
     return out
 
 

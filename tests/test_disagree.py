@@ -88,6 +88,8 @@ INVALID = {  # an option rank 1 alone gets wrong: it raises before the agreement
     "num_experts": dict(num_experts=9),
     "expert_tp_size": dict(expert_tp_size=3),
     "capacity_factor": dict(capacity_factor=-1.0),
+    "capacity_factor_nan": dict(capacity_factor=float("nan")),
+    "capacity_factor_inf": dict(capacity_factor=float("inf")),
     "config_and_arguments": dict(config=fp8a2a.DispatcherConfig(), fp8_combine=True),
 }
 
@@ -204,7 +206,8 @@ def test_empty_rank_raw_wire_backward_of_a_sum():
 
 # ---- dispatch inputs: device, dtype ------------------------------------------------------------
 
-DISPATCH_BAD = ["x_meta", "idx_meta", "weights_meta", "all_meta", "cpu_on_nccl", "idx_float", "weights_int"]
+DISPATCH_BAD = ["x_meta", "idx_meta", "weights_meta", "all_meta", "cpu_on_nccl", "idx_float", "weights_int",
+                "x_sparse", "idx_sparse"]
 
 
 def _bad_dispatch_input(case, x, idx, w):
@@ -220,6 +223,10 @@ def _bad_dispatch_input(case, x, idx, w):
         return x, idx.float(), w
     if case == "weights_int":
         return x, idx, (w * 10).int()
+    if case == "x_sparse":  # tensor mode would take its amax before the pack: rejected before that
+        return x.to_sparse(), idx, w
+    if case == "idx_sparse":
+        return x, idx.to_sparse(), w
     return x, idx, w
 
 
@@ -251,7 +258,8 @@ def test_dispatch_input_rejected_on_one_rank_raises_on_every_rank(case, mode):
     msgs = _raises_then_recovers(bad, dispatcher)
     assert "ranks [1] rejected their dispatch input" in msgs[0], msgs
     cause = {"idx_float": "topk_idx must be int64 or int32", "weights_int": "topk_weights floating-point",
-             "cpu_on_nccl": "(NCCL) needs CUDA tensors", "all_meta": "meta tensors outside"}.get(case, "one device")
+             "cpu_on_nccl": "(NCCL) needs CUDA tensors", "all_meta": "meta tensors outside",
+             "x_sparse": "strided (dense) tensors", "idx_sparse": "strided (dense) tensors"}.get(case, "one device")
     assert cause in msgs[1], msgs
 
 
@@ -276,7 +284,7 @@ def test_meta_inputs_never_reach_a_kernel(which):
 
 # ---- combine inputs ----------------------------------------------------------------------------
 
-COMBINE_BAD = ["shape", "dtype_int", "dtype_fp8", "meta", "quantized"]
+COMBINE_BAD = ["shape", "dtype_int", "dtype_fp8", "meta", "quantized", "sparse"]
 
 
 def _bad_expert_out(case, rows):
@@ -288,6 +296,8 @@ def _bad_expert_out(case, rows):
         return rows.to(torch.float8_e4m3fn)
     if case == "meta":
         return rows.to("meta")
+    if case == "sparse":
+        return rows.to_sparse()
     return fp8a2a.quantize(rows.float())
 
 

@@ -2,6 +2,7 @@
 
 Each rank regenerates every rank's inputs from one seed, so it can compute what it must receive
 (exact FP8 bytes, order, weights, counts) and what combine and the gradients must give."""
+import contextlib
 import math
 
 import pytest
@@ -576,21 +577,31 @@ def test_topk_idx_modified_before_combine_backward(capacity):
     rank raises alone while its peers wait in the backward's exchange)."""
     d, x, idx, w = _routed(capacity_factor=capacity)
     grads = []
-    for modify in (False, True):
-        ids = idx.clone()
-        out = d.dispatch(x, ids, w)
-        expert_out = out.dequantized(torch.float32).detach().requires_grad_()
-        y = d.combine(expert_out, out.handle)
-        if modify:
-            ids[0, 0], ids[1, 0] = 1, 0
-        (y * torch.arange(1.0, 1 + y.numel()).view_as(y)).sum().backward()
-        grads.append(expert_out.grad)
-    assert torch.equal(grads[0], grads[1])
-    # a dispatch without grad mode, a combine with it: the same copy protects combine's backward
-    with torch.no_grad():
-        assert d.dispatch(x, idx, w).handle.topk_idx is not idx
-    with torch.inference_mode():  # no backward can follow: no copy (capacity mode routes by its own ids)
-        assert (d.dispatch(x, idx, w).handle.topk_idx is idx) == (capacity is None)
+    # a dispatch under no_grad or inference mode, then a combine with grad (experts trained on
+    # frozen rows): the same copy protects combine's backward
+    for mode in (contextlib.nullcontext, torch.no_grad, torch.inference_mode):
+        for modify in (False, True):
+            ids = idx.clone()
+            with mode():
+                out = d.dispatch(x, ids, w)
+            expert_out = out.dequantized(torch.float32).detach().clone().requires_grad_()
+            y = d.combine(expert_out, out.handle, apply_weights=mode is contextlib.nullcontext)
+            if modify:
+                ids[0, 0], ids[1, 0] = 1, 0
+            (y * torch.arange(1.0, 1 + y.numel()).view_as(y)).sum().backward()
+            grads.append(expert_out.grad)
+        assert torch.equal(grads[-2], grads[-1]), mode
+        with mode():
+            assert d.dispatch(x, ids, w).handle.topk_idx is not ids
+
+
+def test_dispatcher_options_that_cannot_apply_are_rejected():
+    """A tensor scale is read by granularity 'tensor' only; a capacity factor must be finite."""
+    with pytest.raises(ValueError, match="only meaningful for granularity='tensor'"):
+        fp8a2a.Dispatcher(2, granularity="row", tensor_scale=torch.tensor(0.5))
+    for bad in (float("nan"), float("inf"), 0.0):
+        with pytest.raises(ValueError, match="capacity_factor must be positive and finite"):
+            fp8a2a.Dispatcher(2, capacity_factor=bad)
 
 
 def test_tokens_keep_the_tensor_scale_they_were_quantized_with():

@@ -566,6 +566,44 @@ def test_fp8_weight_cache_misses_a_new_view_or_dtype_of_the_same_storage():
     assert b is not a and torch.equal(b[1][2], a[1][2] * 2) and torch.equal(b[1][:2], a[1][:2])
 
 
+def test_fp8_weight_cache_misses_new_storage_where_the_old_one_lived():
+    """`.data = ...` in two steps (the module moved off its storage, then given new values, as
+    checkpoint loaders do) could hand the new values the old storage's address: the cache keeps the
+    storage its copy was made from alive, so the key cannot match new values."""
+    q = fp8a2a.quantize(torch.randn(8, 128, generator=torch.Generator().manual_seed(0)), "row")
+    tpe = torch.tensor([5, 3])
+    for trial in range(10):
+        torch.manual_seed(trial)
+        mlp = FP8GroupedMLP(2, 128, 64, "swiglu")
+        mlp(q, tpe)
+        new_w = torch.randn(2, 128, 64) * 0.05
+        mlp.float()
+        mlp.fc2_weight.data = new_w.to(torch.bfloat16)
+        mlp.fc1_weight.data = mlp.fc1_weight.data.to(torch.bfloat16)
+        fresh = FP8GroupedMLP(2, 128, 64, "swiglu")
+        fresh.load_state_dict(mlp.state_dict())
+        assert torch.equal(mlp(q, tpe), fresh(q, tpe)), trial
+
+
+def test_expert_parameters_written_before_the_backward_raise():
+    """expert_weights' stand-ins are not saved tensors, so autograd cannot see their parameters
+    change; the experts' backward checks their versions itself, as autograd does for a saved weight."""
+    w1 = [torch.nn.Parameter(torch.randn(32, 128) * 0.1) for _ in range(2)]
+    w2 = [torch.nn.Parameter(torch.randn(128, 32) * 0.1) for _ in range(2)]
+    mlp = FP8GroupedMLP(2, 128, 32, "relu", device="meta")
+    for modify in (False, True):
+        x = torch.randn(8, 128, requires_grad=True)
+        y = mlp.forward_with(*expert_weights(w1, w2), fp8a2a.quantize(x), torch.tensor([3, 5]))
+        if modify:
+            with torch.no_grad():
+                w2[1].mul_(-3.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.float().sum().backward()
+        else:
+            y.float().sum().backward()
+            assert torch.isfinite(x.grad).all()
+
+
 def _graph_reads(weight, fp8_dgrad):
     """What the captured forward + backward of an FP8GroupedMLP read of weight: the row-wise FP8
     copy, and the transposed one (FP8 dgrad) or the BF16 stack (BF16 dgrad)."""

@@ -47,7 +47,7 @@ def _cache_state(layer):
     """[(kind, tensors)] of every cached copy on the FP8 experts' parameters, and the graph-read kinds."""
     out = []
     for p in layer.experts.parameters():
-        for kind, (_, v) in sorted(p.__dict__.get("_fp8a2a_cache", {}).items(), key=str):
+        for kind, (_, v, _) in sorted(p.__dict__.get("_fp8a2a_cache", {}).items(), key=str):
             out.append((kind, (v,) if isinstance(v, torch.Tensor) else tuple(v)))
     return out
 
