@@ -22,13 +22,22 @@ def triton_kernels():
 
 def capability(device) -> tuple:
     """torch.cuda.get_device_capability(device), asked once per device (the GEMM paths ask per call)."""
+    return _properties(_index(device))[0]
+
+
+def sm_count(device) -> int:
+    """The device's multiprocessors, asked once per device."""
+    return _properties(_index(device))[1]
+
+
+def _index(device) -> int:
     index = torch.device(device).index
-    return _capability(torch.cuda.current_device() if index is None else index)
+    return torch.cuda.current_device() if index is None else index
 
 
 @functools.lru_cache(None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
+def _properties(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index), torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def constant(key, make):

@@ -7,8 +7,9 @@ experts load lazily (CPU machines need no Triton).
   B is given by strides, so the same kernel does the forward ([E, N, K] weights), the bf16 dgrad
   (W read transposed) and the fp8 dgrad (a [E, K, N] copy).
 - grouped_mm_fp8: the same product for contiguous e4m3 operands with row scales, fed by TMA with
-  one 128 x 256 x 128 tile and accumulating without promotion: what the scaled_grouped_mm backend
-  runs instead of torch._scaled_grouped_mm up to a few thousand rows per expert (faster there).
+  one 128 x 256 x 128 tile and accumulating without promotion, one persistent program per SM: what
+  the scaled_grouped_mm backend runs instead of torch._scaled_grouped_mm up to a few thousand rows
+  per expert (faster there).
 - grouped_wgrad: out[e] = G_e^T @ (sx * X_e): the weight gradient, consuming the saved FP8 input and
   its scales directly (no BF16 copy of the input).
 - grouped_wgrad_fp8: the FP8 weight gradient with device counts (given host counts, experts.py
@@ -27,7 +28,7 @@ except ImportError:  # pragma: no cover - older Triton: torch._scaled_grouped_mm
     TensorDescriptor = None
 
 from . import wire
-from .kernels import capability
+from .kernels import capability, sm_count
 
 SCALE_BLOCK = tl.constexpr(wire.BLOCK)  # values per block scale (block128): a global a kernel reads is a constexpr
 
@@ -50,24 +51,36 @@ def _mm_configs():
 
 
 @triton.jit
-def _expert_tile(offs_ptr, E, N, BM: tl.constexpr, BN: tl.constexpr, EB: tl.constexpr):
-    """(expert or -1 past the last tile, first row, row end, first column) of this program's output
-    tile. Each expert's rows are cut into tiles of BM (none straddles two experts), taken in order;
-    the column tiles of one row tile are consecutive programs, so its rows and the expert's weights
-    are read from L2 after the first. The tile prefix over the experts (EB >= E) is computed here."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    tile_m = pid // num_n
+def _tile_table(offs_ptr, E, BM: tl.constexpr, EB: tl.constexpr):
+    """Each expert's rows cut into tiles of BM (none straddles two experts), taken in order: the
+    experts (EB >= E), their first rows, row ends, tile counts and the tiles' running sum."""
     ee = tl.arange(0, EB)
     ends = tl.load(offs_ptr + ee, mask=ee < E, other=0)
     starts = tl.load(offs_ptr + ee - 1, mask=(ee > 0) & (ee < E), other=0)
     tiles = tl.where(ee < E, (ends - starts + BM - 1) // BM, 0)
-    cum = tl.cumsum(tiles, 0)
+    return ee, starts, ends, tiles, tl.cumsum(tiles, 0)
+
+
+@triton.jit
+def _row_tile(tile_m, ee, starts, ends, tiles, cum, E, BM: tl.constexpr):
+    """(expert or -1 past the last tile, first row, row end) of row tile tile_m of _tile_table."""
     e = tl.sum((cum <= tile_m).to(tl.int32), 0)  # the first expert whose tiles reach past tile_m
     sel = ee == e
     row0 = tl.sum(tl.where(sel, starts + (tile_m - cum + tiles) * BM, 0), 0)
     row_end = tl.sum(tl.where(sel, ends, 0), 0)
-    return tl.where(e < E, e, -1), row0, row_end, (pid % num_n) * BN
+    return tl.where(e < E, e, -1), row0, row_end
+
+
+@triton.jit
+def _expert_tile(offs_ptr, E, N, BM: tl.constexpr, BN: tl.constexpr, EB: tl.constexpr):
+    """(expert or -1, first row, row end, first column) of this program's output tile. The column
+    tiles of one row tile are consecutive programs, so its rows and the expert's weights are read
+    from L2 after the first."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    ee, starts, ends, tiles, cum = _tile_table(offs_ptr, E, BM, EB)
+    e, row0, row_end = _row_tile(pid // num_n, ee, starts, ends, tiles, cum, E, BM)
+    return e, row0, row_end, (pid % num_n) * BN
 
 
 @triton.autotune(configs=_mm_configs(), key=["N", "K", "E", "A_SCALE", "B_SCALE", "UPCAST", "FP8"])
@@ -139,31 +152,40 @@ def grouped_mm(a, b, offs, sa=None, sb=None, b_strides=None, n=None):
     return out
 
 
-# BM, BN, BK, warps, stages of grouped_mm_fp8: the fastest tile measured at 128-256 rows per expert
-# (BENCHMARKS.md, Expert GEMM)
+# BM, BN, BK, warps, stages of grouped_mm_fp8 (BENCHMARKS.md, Expert GEMMs)
 FP8_TILE = (128, 256, 128, 8, 4)
 
 
 @triton.jit
-def _grouped_mm_fp8_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K, E, s_sam,
+def _grouped_mm_fp8_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K, E, s_sam, PROGRAMS: tl.constexpr,
                            EB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, row0, row_end, n0 = _expert_tile(offs_ptr, E, N, BM, BN, EB)
-    if e < 0:
-        return
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):  # rows past the expert's end are computed and not stored
-        a = a_desc.load([row0, k0])
-        b = b_desc.load([e * N + n0, k0])
-        acc = tl.dot(a, b.T, acc)
-    rm = row0 + tl.arange(0, BM)
-    rn = n0 + tl.arange(0, BN)
-    m_ok = rm < row_end
-    n_ok = rn < N
-    sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam, mask=m_ok, other=0.0)
-    sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=n_ok, other=0.0)
-    acc = acc * sa[:, None] * sb[None, :]
-    tl.store(c_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(tl.bfloat16),
-             mask=m_ok[:, None] & n_ok[None, :])
+    """Persistent: PROGRAMS programs walk the output tiles; the loop over tiles is flattened into the
+    K loop, so the next tile's loads are in flight during this one's epilogue (K = 2048 is only 16
+    steps of 128: a tile's pipeline fill and epilogue are not small beside its MMAs)."""
+    ee, starts, ends, tiles, cum = _tile_table(offs_ptr, E, BM, EB)
+    num_n = tl.cdiv(N, BN)
+    tile_out = tl.program_id(0) - PROGRAMS  # the epilogue's own tile counter: the pipeliner wants one
+    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * num_n, PROGRAMS, flatten=True):
+        e, row0, _ = _row_tile(tile // num_n, ee, starts, ends, tiles, cum, E, BM)
+        n0 = (tile % num_n) * BN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):  # rows past the expert's end are computed and not stored
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([e * N + n0, k0])
+            acc = tl.dot(a, b.T, acc)
+        tile_out += PROGRAMS
+        e, row0, row_end = _row_tile(tile_out // num_n, ee, starts, ends, tiles, cum, E, BM)
+        n0 = (tile_out % num_n) * BN
+        rm = row0 + tl.arange(0, BM)
+        rn = n0 + tl.arange(0, BN)
+        m_ok = rm < row_end
+        n_ok = rn < N
+        sa = tl.load(sa_ptr + rm.to(tl.int64) * s_sam, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=n_ok, other=0.0)
+        # a pointer store: a TMA store would write the next expert's rows (and Triton 3.6 cannot
+        # flatten these loops around a branch between the two)
+        tl.store(c_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], (acc * sa[:, None] * sb[None, :]).to(tl.bfloat16),
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 def tma_ok(device) -> bool:
@@ -192,11 +214,12 @@ def grouped_mm_fp8(a, sa, w, sw, offs, tile=None):
     if K == 0:
         return out.zero_()
     BM, BN, BK, warps, stages = tile or FP8_TILE
-    grid = ((triton.cdiv(M, BM) + E) * triton.cdiv(N, BN),)
-    _grouped_mm_fp8_kernel[grid](TensorDescriptor.from_tensor(a, [BM, BK]),
-                                 TensorDescriptor.from_tensor(w.view(E * N, K), [BN, BK]), out, sa, sw.contiguous(),
-                                 offs, N, K, E, sa.stride(0), EB=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK,
-                                 num_warps=warps, num_stages=stages)
+    programs = sm_count(a.device)  # a constant: the tile count lives on the device
+    _grouped_mm_fp8_kernel[(programs,)](TensorDescriptor.from_tensor(a, [BM, BK]),
+                                        TensorDescriptor.from_tensor(w.view(E * N, K), [BN, BK]), out, sa,
+                                        sw.contiguous(), offs, N, K, E, sa.stride(0), PROGRAMS=programs,
+                                        EB=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK, num_warps=warps,
+                                        num_stages=stages)
     return out
 
 
