@@ -1010,10 +1010,12 @@ def test_gpu_triton_backward_kernels():
 
 @gpu
 @pytest.mark.parametrize("tpe,n,k", [(GPU_TPE, 768, 2048), ([0, 40, 0, 300], 200, 2064), ([5], 256, 128),
-                                     ([0, 0, 0], 256, 256), ([129, 127, 128, 255], 512, 384)])
+                                     ([0, 0, 0], 256, 256), ([129, 127, 128, 255], 512, 384),
+                                     ([1000, 0, 3000, 1, 2500], 768, 256)])
 def test_gpu_grouped_mm_fp8_tma(tpe, n, k):
     # the TMA kernel the scaled_grouped_mm backend uses at few rows per expert: ragged groups, empty
-    # experts and inputs, N and K not multiples of its 128 x 256 x 128 tile, a strided row scale
+    # experts and inputs, N and K not multiples of its 128 x 256 x 128 tile, a strided row scale, and
+    # more tiles than SMs (its persistent programs take several tiles each)
     from fp8a2a import triton_kernels as tk
     torch.manual_seed(12)
     E, M = len(tpe), sum(tpe)
