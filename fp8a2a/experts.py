@@ -315,25 +315,29 @@ _CUBLAS_BLOCKWISE_REFUSED = set()  # (device, out dtype, N, K) whose torch._scal
 
 def _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype):
     """[E, out_f, in_f] from block_col_quant_t's operands, one cuBLAS blockwise GEMM per expert over
-    its padded token columns (host counts: the bounds of each call); None where torch refuses."""
+    its padded token columns (host counts: the bounds of each call); None where torch refuses.
+    Every operand is cut into its experts' views by one split each: the host, which launches one
+    GEMM per expert, waits on no per-expert slicing."""
+    widths = [-(-n // BLOCK) * BLOCK for n in counts]
+    blocks = [w // BLOCK for w in widths]
+    end = sum(widths)  # columns past the last expert's (a static bound's padding) are not read
+    a, b, sa, sb = a[:, :end], b[:, :end], sa[:end // BLOCK], sb[:end // BLOCK]
     out = torch.empty((len(counts), a.shape[0], b.shape[0]), device=a.device, dtype=out_dtype)
-    start = 0
-    for e, n in enumerate(counts):
-        n = -(-n // BLOCK) * BLOCK
+    # scale_a [out_f, n/128] and scale_b [n/128, in_f], outer dimension fastest, as cuBLAS reads them
+    parts = zip(out.unbind(0), widths, a.split(widths, 1), b.t().split(widths, 0), sa.t().split(blocks, 1),
+                sb.split(blocks, 0))
+    for out_e, n, a_e, bt_e, sat_e, sb_e in parts:
         if n == 0:
-            out[e].zero_()
+            out_e.zero_()
             continue
-        k0, k1 = start // BLOCK, (start + n) // BLOCK
-        try:  # scale_a [out_f, n/128] and scale_b [n/128, in_f], outer dimension fastest, as cuBLAS reads them
-            torch._scaled_mm(a[:, start:start + n], b[:, start:start + n].t(), scale_a=sa[k0:k1].t(),
-                             scale_b=sb[k0:k1], out_dtype=out_dtype, out=out[e])
+        try:
+            torch._scaled_mm(a_e, bt_e, scale_a=sat_e, scale_b=sb_e, out_dtype=out_dtype, out=out_e)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, ValueError) as err:  # a torch or cuBLAS without it: the Triton GEMM
             _CUBLAS_BLOCKWISE_REFUSED.add((a.device, out_dtype, a.shape[0], b.shape[0]))
             _warn_refused(err, "torch._scaled_mm refused 1 x 128 block scales")
             return None
-        start += n
     return out
 
 

@@ -296,17 +296,20 @@ def _scaled_mm_1x128(a, b, scale_a, scale_b, out_dtype, out):
               .to(out_dtype))
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact_width", "static_bound"])
 @pytest.mark.parametrize("tpe", [[300, 0, 77, 1, 130], [0, 1000, 0, 129], [300]])
-def test_fp8_wgrad_per_expert_gemms_slice_the_padded_operands(tpe, monkeypatch):
+def test_fp8_wgrad_per_expert_gemms_slice_the_padded_operands(tpe, exact, monkeypatch):
     """The per-expert cuBLAS loop (_wgrad_fp8_per_expert) on block_col_quant_t's operands, torch's
     GEMM emulated: each expert's columns and scale blocks, zeros for an expert without rows; equal to
-    the emulated FP8 weight gradient."""
+    the emulated FP8 weight gradient, whether the operands are as wide as the experts' padded columns
+    (what _wgrad_fp8 quantizes to) or as the static bound (zero columns past them)."""
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_1x128)
     torch.manual_seed(20)
     offs = torch.cumsum(torch.tensor(tpe), 0, dtype=torch.int32)
     g, x = torch.randn(sum(tpe), 96), torch.randn(sum(tpe), 64)
-    pad_offs, _ = experts._wgrad_padding(offs, sum(tpe))
-    mpad = sum(-(-n // 128) * 128 for n in tpe)  # the exact width the per-expert path quantizes to
+    pad_offs, mpad = experts._wgrad_padding(offs, sum(tpe))
+    if exact:
+        mpad = sum(-(-n // 128) * 128 for n in tpe)
     (a, sa), (b, sb) = (experts._block_col_quant_t(v, offs, pad_offs, mpad) for v in (g, x))
     got = experts._wgrad_fp8_per_expert(a, sa, b, sb, tpe, torch.float32)
     assert torch.equal(got, experts._wgrad_fp8_reference(g, x, offs, len(tpe)))
