@@ -277,10 +277,14 @@ def _starts(ends):
     return F.pad(ends[:-1], (1, 0))
 
 
-def _wgrad_padding(offs, rows):
-    """(padded group ends int32 [G], static column bound) of the FP8 weight gradient's operands:
-    every group padded to a multiple of 128 tokens (no scale block straddles two experts), computed
-    on the device (no host sync) into a buffer of static size."""
+def _wgrad_padding(offs, rows, counts=None):
+    """(padded group ends int32 [G] on offs' device, column bound) of the FP8 weight gradient's
+    operands: every group padded to a multiple of 128 tokens (no scale block straddles two experts).
+    From the host counts where given (summed on the host, one copy in; the bound is then the padded
+    groups' exact width), else computed on the device (no host sync) into a buffer of static size."""
+    if counts is not None:
+        ends = list(itertools.accumulate(-(-n // BLOCK) * BLOCK for n in counts))
+        return torch.tensor(ends, dtype=torch.int32).to(offs.device, non_blocking=True), (ends[-1] if ends else 0)
     counts = offs - _starts(offs)
     pad_offs = torch.cumsum((counts + BLOCK - 1) // BLOCK * BLOCK, 0, dtype=torch.int32)
     return pad_offs, (rows + BLOCK - 1) // BLOCK * BLOCK + BLOCK * offs.shape[0]
@@ -347,12 +351,12 @@ def _wgrad_fp8(g, xq, xs, offs, out_dtype, counts=None, tuning=ExpertsConfig()):
     expert (host counts, large groups: ExpertsConfig.cublas_wgrad_min_rows_per_expert) or one
     Triton grouped GEMM."""
     tk = triton_kernels()
-    pad_offs, mpad = _wgrad_padding(offs, g.shape[0])
-    per_expert = (counts is not None and not torch.cuda.is_current_stream_capturing()  # (bounds from the host)
+    if torch.cuda.is_current_stream_capturing():  # a replay keeps its captured bounds: the device's
+        counts = None
+    pad_offs, mpad = _wgrad_padding(offs, g.shape[0], counts)  # host counts: one copy, the exact width
+    per_expert = (counts is not None
                   and (g.device, out_dtype, g.shape[1], xq.shape[1]) not in _CUBLAS_BLOCKWISE_REFUSED
                   and g.shape[0] >= tuning.cublas_wgrad_min_rows_per_expert * len(counts))
-    if per_expert:  # the exact padded width: no scale block past the last group
-        mpad = sum(-(-n // BLOCK) * BLOCK for n in counts)
     a, sa = tk.block_col_quant_t(g, offs, pad_offs, mpad)  # g^T [out_f, mpad]
     b, sb = tk.block_col_quant_t(xq, offs, pad_offs, mpad, sx=xs)  # x_hat^T [in_f, mpad]
     out = _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype) if per_expert else None
