@@ -78,7 +78,7 @@ CPU_SHAPES = {"64 tok x 4 experts top-2": (64, 4, 2, 128, 64, "table"),
 
 class Variant:
     """A row: `step` (forward + backward, the only thing timed); `prepare` (untimed, before every
-    timed call: the gradients set to None, every row alike); `first` (untimed: makes the next step a
+    timed call and after each row's turn: the gradients set to None, every row alike); `first` (untimed: makes the next step a
     step's first micro-batch, which recasts or rebuilds the cached FP8 weights; None: nothing
     cached); `recasts` (whether the next call would recast TE's FP8 weights; None: no TE linears)."""
 
@@ -226,6 +226,8 @@ def time_group(variants, iters, warmup, cuda):
             if it >= warmup:
                 times[v.name].append(ms)
                 quant[v.name].append(first_ms - ms)
+            if v.prepare is not None:  # its gradients freed before the next row runs: the rows timed
+                v.prepare()            # together do not all hold theirs (32 experts: 2.8 GB a row)
     return times, quant, failed
 
 
@@ -340,6 +342,8 @@ def run_shape(name, shape, args, cuda):
         for v in vs if args.profile and cuda else ():
             if "error" not in rows[v.name]:
                 rows[v.name]["profile"] = p = profile_row(v, args.repeat)
+                if v.prepare is not None:
+                    v.prepare()
                 if p and v.cfg is not None and getattr(v.cfg, "fp8a2a_fp8_wgrad", False) and \
                         getattr(v.cfg, "fp8a2a_experts", None) == "fp8" and all(p["fp8_cublas_runs_ms"]):
                     # the per-expert cuBLAS wgrad GEMMs in the step: 2 * rows * (fc1 + fc2 weights)

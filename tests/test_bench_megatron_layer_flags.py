@@ -63,6 +63,7 @@ def test_te_rows_timed_cached_and_grads_cleared_outside(monkeypatch):
     warmup, iters = 2, 3
     times, quant, failed = bm.time_group([v], iters, warmup, cuda=False)
     assert not failed and len(times["te"]) == iters and len(quant["te"]) == iters
+    assert layer.experts.weight.grad is None  # freed after the row's turn: rows timed together hold none
     calls = [e for e in log if e[0] == "call"]
     assert len(calls) == 2 * (warmup + iters)  # a cached call and a first micro-batch per iteration
     # iteration 0's cached call is the layer's very first (Megatron starts True: it casts, in warm-up);
