@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fp8a2a
-from fp8a2a.bench import single_process_group
+from fp8a2a.bench import costs, single_process_group
 from fp8a2a.bench import MegatronStyleAlltoAll, capture_cuda_graph, cuda_median_ms, make_routing, percentile
 
 TARGET_SPEEDUP = 1.8
@@ -229,16 +229,6 @@ def rel_err(paths: Paths, a, b):
         return ((ya.float() - yb.float()).norm() / yb.float().norm().clamp_min(1e-30)).item()
 
 
-def _host_us(fn, n=50):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
-
-
 def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
     """Eager against CUDA-graph replay at a small size: the Dispatcher's capacity mode (static
     shapes, no host sync) lets a whole dispatch -> MLP -> combine step, forward and backward, be
@@ -277,10 +267,10 @@ def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
 
     try:
         res["eager_ms"] = cuda_median_ms(step(p), iters)
-        res["eager_host_us"] = _host_us(step(p), 20)
+        res["eager_host_us"] = costs.host_us(step(p), 20)
         res["eager_fwd_ms"] = cuda_median_ms(fwd(p), iters)
         res["eager_capacity_ms"] = cuda_median_ms(step(p_cap), iters)
-        res["eager_capacity_host_us"] = _host_us(step(p_cap), 20)
+        res["eager_capacity_host_us"] = costs.host_us(step(p_cap), 20)
         res["eager_capacity_fwd_ms"] = cuda_median_ms(fwd(p_cap), iters)
     except Exception as e:  # noqa: BLE001
         res["why"] = f"eager step failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -288,7 +278,7 @@ def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
     try:  # forward only first (what the capacity-mode tests capture), then forward + backward
         g = capture(fwd(p_cap))
         res["graph_fwd_ms"] = cuda_median_ms(g.replay, iters)
-        res["graph_fwd_host_us"] = _host_us(g.replay, 50)
+        res["graph_fwd_host_us"] = costs.host_us(g.replay, 50)
         res["available"] = True
         del g
 
@@ -297,7 +287,7 @@ def graph_part(device, rank, world, iters, shape=None, capacity_factor=2.0):
             y.backward(p_cap.gy)
         g = capture(fwd_bwd)
         res["graph_ms"] = cuda_median_ms(g.replay, iters)
-        res["graph_host_us"] = _host_us(g.replay, 50)
+        res["graph_host_us"] = costs.host_us(g.replay, 50)
         res["graph_speedup_vs_eager"] = res["eager_ms"] / res["graph_ms"]
     except Exception as e:  # noqa: BLE001 - report why, keep the rest of the results
         what = "forward + backward" if res["available"] else "forward"

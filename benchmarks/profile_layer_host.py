@@ -154,17 +154,6 @@ def profile(out):
     from fp8a2a import experts as fx, triton_gemm as tg
     from fp8a2a.weight_cache import fp8_weight
 
-    def host_us(fn, n=50):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))  # about a second of device work ahead of every launch below
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        us = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
-        return us
-
     mlp = layers["fp8"][0].experts
     w1, _ = mlp._fp8_weights()
     w1q, s1 = fp8_weight(w1)
@@ -184,7 +173,8 @@ def profile(out):
               "forward GEMM call (_mm_fp8)": lambda: fx._mm_fp8(cfg, xq, xs, w1q, s1, offs)}
     print(f"host us per call (a one-element add: {costs.host_reference_us('cuda'):.1f} us):")
     for what, fn in pieces.items():
-        print(f"  {host_us(fn):7.1f}  {what}")
+        # about a second of device work queued ahead of every call
+        print(f"  {costs.host_us(fn, warmup=1, device_ahead_cycles=int(2e9)):7.1f}  {what}")
     teardown()
 
 

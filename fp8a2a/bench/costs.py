@@ -194,6 +194,24 @@ TIMING = ("device time: CUDA events around each call, calls launched back to bac
           "calls); host time: perf_counter around each call, no added syncs")
 
 
+def host_us(fn: Callable[[], object], calls: int = 50, warmup: int = 0, device_ahead_cycles: int = 0) -> float:
+    """Host time per call of fn (us) over `calls` back-to-back calls after `warmup`, no sync between
+    them (CUDA). device_ahead_cycles: a device sleep that long queued first, so that no timed call
+    waits on the device (its launches queue behind the sleep): the host's own cost."""
+    import torch
+    torch.cuda.synchronize()
+    if device_ahead_cycles:
+        torch.cuda._sleep(device_ahead_cycles)
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
 def time_calls(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
                cuda: bool = True) -> Tuple[List[float], List[float]]:
     """(device ms, host ms) of each of `iters` back-to-back calls (see TIMING); off CUDA the
