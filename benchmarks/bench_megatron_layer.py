@@ -222,10 +222,10 @@ def time_group(variants, iters, warmup, cuda):
                 first_ms = timed_call(v, cuda, first=True) if v.first is not None else ms
             except Exception as e:  # noqa: BLE001  (one row fails, the table goes on)
                 failed[v.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                continue
-            if it >= warmup:
-                times[v.name].append(ms)
-                quant[v.name].append(first_ms - ms)
+            else:
+                if it >= warmup:
+                    times[v.name].append(ms)
+                    quant[v.name].append(first_ms - ms)
             if v.prepare is not None:  # its gradients freed before the next row runs: the rows timed
                 v.prepare()            # together do not all hold theirs (32 experts: 2.8 GB a row)
     return times, quant, failed

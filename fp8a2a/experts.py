@@ -281,10 +281,11 @@ def _wgrad_padding(offs, rows, counts=None):
     """(padded group ends int32 [G] on offs' device, column bound) of the FP8 weight gradient's
     operands: every group padded to a multiple of 128 tokens (no scale block straddles two experts).
     From the host counts where given (summed on the host, one copy in; the bound is then the padded
-    groups' exact width), else computed on the device (no host sync) into a buffer of static size."""
+    groups' exact width, at least one block: an operand of width 0 has no TMA descriptor), else
+    computed on the device (no host sync) into a buffer of static size."""
     if counts is not None:
         ends = list(itertools.accumulate(-(-n // BLOCK) * BLOCK for n in counts))
-        return torch.tensor(ends, dtype=torch.int32).to(offs.device, non_blocking=True), (ends[-1] if ends else 0)
+        return torch.tensor(ends, dtype=torch.int32).to(offs.device, non_blocking=True), max([BLOCK] + ends[-1:])
     counts = offs - _starts(offs)
     pad_offs = torch.cumsum((counts + BLOCK - 1) // BLOCK * BLOCK, 0, dtype=torch.int32)
     return pad_offs, (rows + BLOCK - 1) // BLOCK * BLOCK + BLOCK * offs.shape[0]
