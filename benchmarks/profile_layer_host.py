@@ -6,7 +6,8 @@ the measured figure.
     python benchmarks/profile_layer_host.py --out DIR     (CUDA, TE: timings, traces, host costs)
     python benchmarks/profile_layer_host.py --analyze DIR/trace_fp8.json.gz ...   (any machine)
 
-On the GPU it prints, per row: the step's device time (median and min of 20 cached steps); the
+On the GPU it prints, per row (one run: a diagnostic): the step's device time (median and min of 20
+cached steps, the gradients set to None before each, untimed, as bench_megatron_layer.py does); the
 host time of the forward and of the backward (perf_counter around each, no sync in between: how
 long the host takes to launch each; the dispatch's sync inside the forward included) and the
 step's wall time; it writes one profiled step of each row as a chrome trace (DIR/trace_ROW.json.gz,
@@ -114,20 +115,27 @@ def profile(out):
 
     def forward(name):
         layer, cfg = layers[name]
-        layer.zero_grad(set_to_none=True)
         with fp8_context(cfg):
             return layer(x.detach().requires_grad_())[0]
 
     def step(name):
         forward(name).backward(gy)
 
+    def clear(name):  # the gradients set to None before each timed or profiled step, outside it
+        layers[name][0].zero_grad(set_to_none=True)
+
     for name in rows:  # warm-up: TE and fp8a2a cache their FP8 weights in the first call
         for _ in range(5):
+            clear(name)
             step(name)
     for name in rows:
-        dev = [bm.timed_ms(lambda: step(name), True) for _ in range(20)]
+        dev = []
+        for _ in range(20):
+            clear(name)
+            dev.append(bm.timed_ms(lambda: step(name), True))
         host = []
         for _ in range(10):
+            clear(name)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             y = forward(name)
@@ -141,6 +149,7 @@ def profile(out):
               f"backward {bwd:.3f} ms, wall {wall:.3f} ms")
     for name in rows:
         for stack in (False, True):
+            clear(name)
             torch.cuda.synchronize()
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
                 step(name)

@@ -325,8 +325,9 @@ def _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype):
     GEMM per expert, waits on no per-expert slicing."""
     widths = [-(-n // BLOCK) * BLOCK for n in counts]
     blocks = [w // BLOCK for w in widths]
-    end = sum(widths)  # columns past the last expert's (a static bound's padding) are not read
-    a, b, sa, sb = a[:, :end], b[:, :end], sa[:end // BLOCK], sb[:end // BLOCK]
+    end = sum(widths)
+    if a.shape[1] != end:  # a static bound's columns past the last expert's are not read
+        a, b, sa, sb = a[:, :end], b[:, :end], sa[:end // BLOCK], sb[:end // BLOCK]
     out = torch.empty((len(counts), a.shape[0], b.shape[0]), device=a.device, dtype=out_dtype)
     # scale_a [out_f, n/128] and scale_b [n/128, in_f], outer dimension fastest, as cuBLAS reads them
     parts = zip(out.unbind(0), widths, a.split(widths, 1), b.t().split(widths, 0), sa.t().split(blocks, 1),
