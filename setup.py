@@ -41,11 +41,26 @@ sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/**/*.cpp", recurs
 std = [] if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14) else ["-std=c++17"]
 # No FMA contraction: the CPU kernels must round like the CUDA ones (aarch64 GCC fuses by default).
 cxx = ["-O3", *std, "-ffp-contract=off"]
+
+
+def cublaslt_library():
+    """The cuBLASLt to link (csrc/cuda/wgrad_fp8.cu calls it): the toolkit's, else the one of the
+    nvidia wheels torch loads (same soname: at run time the library torch loaded serves both)."""
+    roots = [os.path.join(cuda_toolkit(), lib) for lib in ("lib64", "lib")]
+    roots += [os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
+    for root in roots:
+        found = sorted(glob.glob(os.path.join(root, "**", "libcublasLt.so*"), recursive=True), key=len)
+        if found:
+            return found[0]
+    sys.exit("fp8a2a: no libcublasLt.so in the CUDA toolkit or the nvidia wheels (set CUDA_HOME)")
+
+
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     ext = CUDAExtension("fp8a2a._C", sources + sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)),
                         define_macros=[("FP8A2A_WITH_CUDA", None)],  # ops.cpp registers the CUDA kernels
-                        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *std, "--expt-relaxed-constexpr"]})
+                        extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *std, "--expt-relaxed-constexpr"]},
+                        extra_link_args=[cublaslt_library()])
 else:
     ext = CppExtension("fp8a2a._C", sources, extra_compile_args=cxx)
 

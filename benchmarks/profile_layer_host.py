@@ -196,6 +196,7 @@ def main():
         for path in args.analyze:
             analyze(path)
     else:
+        os.makedirs(args.out, exist_ok=True)
         profile(args.out)
 
 

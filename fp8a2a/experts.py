@@ -18,8 +18,8 @@ fp8_wgrad=True (lossy; README's numerics give its effect on training) computes d
 scaled as TE's blockwise recipe scales them: dY and x_hat quantized per 128 tokens of an expert and
 column (1 x 128 along the GEMM's reduction; every expert padded to a multiple of 128 tokens), each
 by one fused quantize-transpose (x_hat straight from the saved FP8 rows), then one cuBLAS GEMM per
-expert with both 1 x 128 scales (torch._scaled_mm; given tokens_per_expert on the host and large
-groups: ExpertsConfig.cublas_wgrad_min_rows_per_expert) or one Triton grouped GEMM that applies both
+expert with both 1 x 128 scales (cuBLASLt, all launched by one extension call: ops.wgrad_fp8_per_expert;
+given tokens_per_expert on the host and large groups: ExpertsConfig.cublas_wgrad_min_rows_per_expert) or one Triton grouped GEMM that applies both
 scales per 128-token step (triton_kernels.grouped_wgrad_fp8, sm_90+). The 'reference'
 backend emulates the same roundings (_block_col_quant_t); a machine without Triton or TMA keeps the
 BF16 dW, with a warning.
@@ -82,8 +82,8 @@ class ExpertsConfig:
                               _grouped_mm fall back by themselves).
     cublas_wgrad_min_rows_per_expert:
                               average rows per expert from which the FP8 weight gradient runs one
-                              cuBLAS GEMM per expert (torch._scaled_mm, 1 x 128 scales on both
-                              operands: faster than the Triton grouped GEMM on large groups,
+                              cuBLAS GEMM per expert (ops.wgrad_fp8_per_expert, 1 x 128 scales on
+                              both operands: faster than the Triton grouped GEMM on large groups,
                               BENCHMARKS.md), when tokens_per_expert is on the host (the loop needs
                               the group bounds there, and a host sync is never added for them);
                               below it, or with device counts, the Triton grouped GEMM. 0: always
@@ -315,36 +315,21 @@ def _wgrad_fp8_reference(g, x_hat, offs, num_experts):
     return _ref_wgrad(deq[0].t(), deq[1].t(), pad_offs, num_experts)
 
 
-_CUBLAS_BLOCKWISE_REFUSED = set()  # (device, out dtype, N, K) whose torch._scaled_mm refused 1 x 128 scales
+_CUBLAS_BLOCKWISE_REFUSED = set()  # (device, out dtype, N, K) whose cuBLAS refused 1 x 128 scales
 
 
 def _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype):
     """[E, out_f, in_f] from block_col_quant_t's operands, one cuBLAS blockwise GEMM per expert over
-    its padded token columns (host counts: the bounds of each call); None where torch refuses.
-    Every operand is cut into its experts' views by one split each: the host, which launches one
-    GEMM per expert, waits on no per-expert slicing."""
-    widths = [-(-n // BLOCK) * BLOCK for n in counts]
-    blocks = [w // BLOCK for w in widths]
-    end = sum(widths)
-    if a.shape[1] != end:  # a static bound's columns past the last expert's are not read
-        a, b, sa, sb = a[:, :end], b[:, :end], sa[:end // BLOCK], sb[:end // BLOCK]
-    out = torch.empty((len(counts), a.shape[0], b.shape[0]), device=a.device, dtype=out_dtype)
-    # scale_a [out_f, n/128] and scale_b [n/128, in_f], outer dimension fastest, as cuBLAS reads them
-    parts = zip(out.unbind(0), widths, a.split(widths, 1), b.t().split(widths, 0), sa.t().split(blocks, 1),
-                sb.split(blocks, 0))
-    for out_e, n, a_e, bt_e, sat_e, sb_e in parts:
-        if n == 0:
-            out_e.zero_()
-            continue
-        try:
-            torch._scaled_mm(a_e, bt_e, scale_a=sat_e, scale_b=sb_e, out_dtype=out_dtype, out=out_e)
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, ValueError) as err:  # a torch or cuBLAS without it: the Triton GEMM
-            _CUBLAS_BLOCKWISE_REFUSED.add((a.device, out_dtype, a.shape[0], b.shape[0]))
-            _warn_refused(err, "torch._scaled_mm refused 1 x 128 block scales")
-            return None
-    return out
+    its padded token columns (host counts: the bounds of each call), all launched by one call of the
+    extension (ops.wgrad_fp8_per_expert); None where cuBLAS refuses."""
+    try:
+        return ops.wgrad_fp8_per_expert(a, sa, b, sb, [-(-n // BLOCK) * BLOCK for n in counts], out_dtype)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as err:  # a cuBLAS without 1 x 128 scales: the Triton GEMM
+        _CUBLAS_BLOCKWISE_REFUSED.add((a.device, out_dtype, a.shape[0], b.shape[0]))
+        _warn_refused(err, "cuBLAS refused 1 x 128 block scales")
+        return None
 
 
 def _wgrad_fp8(g, xq, xs, offs, out_dtype, counts=None, tuning=ExpertsConfig()):

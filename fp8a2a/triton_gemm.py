@@ -13,7 +13,7 @@ experts load lazily (CPU machines need no Triton).
 - grouped_wgrad: out[e] = G_e^T @ (sx * X_e): the weight gradient, consuming the saved FP8 input and
   its scales directly (no BF16 copy of the input).
 - grouped_wgrad_fp8: the FP8 weight gradient with device counts (given host counts, experts.py
-  runs one cuBLAS torch._scaled_mm per expert on the same operands), out[e] = A_e @ B_e^T
+  runs one cuBLAS GEMM per expert on the same operands: ops.wgrad_fp8_per_expert), out[e] = A_e @ B_e^T
   reducing over expert e's token columns, both e4m3 operands scaled per 128 tokens and row
   (triton_kernels.block_col_quant_t's layout); the scales are applied per K step, as DeepGEMM and
   TE's blockwise GEMMs do.

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fp8a2a
-from fp8a2a import experts
+from fp8a2a import experts, ops
 from fp8a2a.experts import (ExpertsConfig, FP8GroupedMLP, _block_to_row, expert_weights, fp8_weight, grouped_linear,
                             resolve_backend)
 from fp8a2a.quant import QuantizedTensor
@@ -297,25 +297,13 @@ def test_wgrad_padding_from_host_counts_is_the_device_layout(tpe):
     assert width == max(128, sum(-(-n // 128) * 128 for n in tpe)) <= static_bound
 
 
-def _scaled_mm_1x128(a, b, scale_a, scale_b, out_dtype, out):
-    """torch._scaled_mm with 1 x 128 scales on both operands, in fp32 on the CPU, checking the
-    layouts cuBLAS reads (scale_a [M, K/128] and scale_b [K/128, N], the outer dimension fastest)."""
-    (M, K), N = a.shape, b.shape[1]
-    assert K % 128 == 0 and a.stride(1) == 1 and b.stride(0) == 1
-    assert scale_a.shape == (M, K // 128) and scale_a.stride(0) == 1
-    assert scale_b.shape == (K // 128, N) and scale_b.stride(1) == 1
-    out.copy_(((a.float() * scale_a.repeat_interleave(128, 1)) @ (b.float() * scale_b.repeat_interleave(128, 0)))
-              .to(out_dtype))
-
-
 @pytest.mark.parametrize("exact", [True, False], ids=["exact_width", "static_bound"])
 @pytest.mark.parametrize("tpe", [[300, 0, 77, 1, 130], [0, 1000, 0, 129], [300]])
-def test_fp8_wgrad_per_expert_gemms_slice_the_padded_operands(tpe, exact, monkeypatch):
-    """The per-expert cuBLAS loop (_wgrad_fp8_per_expert) on block_col_quant_t's operands, torch's
-    GEMM emulated: each expert's columns and scale blocks, zeros for an expert without rows; equal to
-    the emulated FP8 weight gradient, whether the operands are as wide as the experts' padded columns
-    (what _wgrad_fp8 quantizes to) or as the static bound (zero columns past them)."""
-    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_1x128)
+def test_fp8_wgrad_per_expert_gemms_slice_the_padded_operands(tpe, exact):
+    """The per-expert GEMMs (_wgrad_fp8_per_expert: ops.wgrad_fp8_per_expert's CPU twin) on
+    block_col_quant_t's operands: each expert's columns and scale blocks, zeros for an expert without
+    rows; equal to the emulated FP8 weight gradient, whether the operands are as wide as the experts'
+    padded columns (what _wgrad_fp8 quantizes to) or as the static bound (columns past them unread)."""
     torch.manual_seed(20)
     offs = torch.cumsum(torch.tensor(tpe), 0, dtype=torch.int32)
     g, x = torch.randn(sum(tpe), 96), torch.randn(sum(tpe), 64)
@@ -323,17 +311,34 @@ def test_fp8_wgrad_per_expert_gemms_slice_the_padded_operands(tpe, exact, monkey
     if exact:
         mpad = sum(-(-n // 128) * 128 for n in tpe)
     (a, sa), (b, sb) = (experts._block_col_quant_t(v, offs, pad_offs, mpad) for v in (g, x))
+    if not exact:  # what the Triton quantize-transpose leaves past the last expert: not read
+        a[:, pad_offs[-1]:] = float("nan")
+        sa[pad_offs[-1] // 128:] = float("nan")
     got = experts._wgrad_fp8_per_expert(a, sa, b, sb, tpe, torch.float32)
-    assert torch.equal(got, experts._wgrad_fp8_reference(g, x, offs, len(tpe)))
+    ref = experts._wgrad_fp8_reference(g, x, offs, len(tpe))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert all(got[e].abs().max() == 0 for e, n in enumerate(tpe) if n == 0)
 
 
+def test_wgrad_fp8_per_expert_checks_its_operands():
+    """Bad operands get a clear error, not a read past the buffers."""
+    a, b = torch.zeros(96, 256).to(torch.float8_e4m3fn), torch.zeros(64, 256).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(2, 96), torch.ones(2, 64)
+    for args, match in [((a, sa, b, sb, [128, 256]), "widths sum to 384"),
+                        ((a, sa, b, sb, [100]), "multiples of 128"),
+                        ((a, sa, b, torch.ones(1, 64), [128]), "scale_b must be"),
+                        ((a, sa, b[:, :128].contiguous(), sb, [128]), "same token columns"),
+                        ((a.float(), sa, b, sb, [128]), "float8_e4m3fn")]:
+        with pytest.raises(RuntimeError, match=match):
+            ops.wgrad_fp8_per_expert(*args, torch.bfloat16)
+
+
 def test_fp8_wgrad_per_expert_refusal_falls_back(monkeypatch):
-    """A torch whose _scaled_mm refuses the block scales: None (the caller's Triton GEMM), a warning,
-    and that (device, dtype, shape) remembered; other shapes still try."""
+    """A cuBLAS that refuses the block scales: None (the caller's Triton GEMM), a warning, and that
+    (device, dtype, shape) remembered; other shapes still try."""
     def refuse(*args, **kwargs):
         raise RuntimeError("no blockwise scaling here")
-    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(ops, "wgrad_fp8_per_expert", refuse)
     monkeypatch.setattr(experts, "_CUBLAS_BLOCKWISE_REFUSED", set())
     a, b = torch.zeros(96, 128).to(torch.float8_e4m3fn), torch.zeros(64, 128).to(torch.float8_e4m3fn)
     s_a, s_b = torch.ones(1, 96), torch.ones(1, 64)
@@ -963,6 +968,33 @@ def test_gpu_fp8_wgrad_per_expert_cublas(tpe):
             assert dws[1][e].abs().max() == 0
         else:
             assert rel(dws[1][e], dws[0][e]) < 1e-2 and rel(dws[1][e], dws[2][e]) < 5e-3, e
+
+
+@gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_wgrad_fp8_per_expert_matches_scaled_mm(out_dtype):
+    """ops.wgrad_fp8_per_expert (cuBLASLt, one call for every expert) against torch._scaled_mm per
+    expert with the same 1 x 128 scales, and against its CPU twin; experts starting off 256-byte
+    alignment, one without columns, and a second width of the operands (the cached algorithm under
+    another leading dimension)."""
+    torch.manual_seed(23)
+    widths, tol = [384, 0, 128, 1024], 1e-5 if out_dtype == torch.float32 else 4e-3  # bf16: another algorithm's rounding
+    for mpad in (1536, 2048):
+        a, b = ((torch.randn(n, mpad, device="cuda") * 8).to(torch.float8_e4m3fn) for n in (768, 2048))
+        sa, sb = (torch.rand(mpad // 128, n, device="cuda") + 0.5 for n in (768, 2048))
+        got = ops.wgrad_fp8_per_expert(a, sa, b, sb, widths, out_dtype)
+        cpu = ops.wgrad_fp8_per_expert(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), widths, out_dtype)
+        assert got.shape == (4, 768, 2048) and got.dtype == out_dtype
+        start = 0
+        for e, w in enumerate(widths):
+            blocks = slice(start // 128, (start + w) // 128)
+            if w == 0:
+                assert got[e].abs().max() == 0
+                continue
+            ref = torch._scaled_mm(a[:, start:start + w], b[:, start:start + w].t(), scale_a=sa[blocks].t(),
+                                   scale_b=sb[blocks], out_dtype=out_dtype)
+            assert rel(got[e], ref) < tol and rel(got[e].cpu(), cpu[e]) < 5e-3, (mpad, e)
+            start += w
 
 
 @gpu

@@ -453,4 +453,27 @@ std::tuple<Tensor, Tensor> combine_backward_rows_cpu(const Tensor& data, const s
   return {grad, grad_w};
 }
 
+
+// The semantics of the FP8 weight gradient's per-expert GEMMs: each operand dequantized (its e4m3
+// values times the scale of their 128-column block), one float32 matmul per expert. cuBLAS's
+// accumulation order differs, so the CUDA op matches this one to a tolerance, not to the byte.
+Tensor wgrad_fp8_per_expert_cpu(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
+                                at::IntArrayRef widths, at::ScalarType out_dtype) {
+  check_wgrad_fp8_per_expert(a, scale_a, b, scale_b, widths, out_dtype);
+  const int64_t E = static_cast<int64_t>(widths.size());
+  auto out = at::zeros({E, a.size(0), b.size(0)}, a.options().dtype(out_dtype));
+  auto dequant = [](const Tensor& q, const Tensor& s, int64_t start, int64_t w) {
+    const int64_t n = q.size(0), blocks = w / kBlock;
+    auto per_col = s.narrow(0, start / kBlock, blocks).t().unsqueeze(2).expand({n, blocks, kBlock}).reshape({n, w});
+    return q.narrow(1, start, w).to(at::kFloat) * per_col;
+  };
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t w = widths[e];
+    if (w > 0) out[e].copy_(at::matmul(dequant(a, scale_a, start, w), dequant(b, scale_b, start, w).t()));
+    start += w;
+  }
+  return out;
+}
+
 }  // namespace fp8a2a
