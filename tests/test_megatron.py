@@ -134,8 +134,8 @@ if HAVE_FP8_EXPERTS:
     # + 2 per FP8 wgrad (both operands per column): dW1 5 + 2
     CASES["fp8_experts_fp8_dgrad_wgrad"] = dict(fp8=True, tol=bound(4, 7, 5, 7), fp8_experts=True,
                                                 config=dict(fp8a2a_fp8_dgrad=True, fp8a2a_fp8_wgrad=True))
-    # not padded; config.fp8 set: the FP8 dgrad by default (options.recipe_gradients)
-    CASES["fp8_experts_pad_for_quantization"] = dict(fp8=True, tol=bound(4, 7, 5, 5), fp8_experts=True,
+    # not padded; config.fp8 set: the FP8 dgrad and wgrad by default (options.recipe_gradients)
+    CASES["fp8_experts_pad_for_quantization"] = dict(fp8=True, tol=bound(4, 7, 5, 7), fp8_experts=True,
                                                      after=PAD)
     # the same from the plain spec: under a TE FP8 recipe the experts default to fp8a2a's (options.recipe_experts)
     CASES["recipe_picks_fp8_experts"] = dict(fp8=True, tol=bound(4, 7, 5, 5), recipe_experts=True, after=PAD)
@@ -177,9 +177,9 @@ def layer_scenario(rank, world, case):
         assert isinstance(mine.token_dispatcher, FP8AlltoAllTokenDispatcher)
         if fp8_experts:
             impl = mine.experts._fp8a2a_impl
-            recipe = bool(c.get("after", {}).get("fp8"))  # a TE FP8 recipe: the FP8 dgrad by default
+            recipe = bool(c.get("after", {}).get("fp8"))  # a TE FP8 recipe: FP8 dgrad and wgrad by default
             assert (impl.fp8_dgrad, impl.fp8_wgrad) == (over.get("fp8a2a_fp8_dgrad", recipe),
-                                                        over.get("fp8a2a_fp8_wgrad", False))
+                                                        over.get("fp8a2a_fp8_wgrad", recipe))
         assert cfg.moe_token_dispatcher_type == fm.FP8_ALLTOALL
         assert mine.token_dispatcher.deliver_fp8 == fp8_experts
         assert list(mine.state_dict()) == list(ref.state_dict())  # same parameters, same checkpoint layout
@@ -537,14 +537,16 @@ def test_command_line_flags():
             opts.capacity_mode) == ("block128", True, 0, "auto")
     assert (opts.experts.fp8_dgrad, opts.experts.fp8_wgrad) == (True, False)
     assert fm.resolve(p.parse_args(["--fp8a2a-fp8-wgrad"])).experts.fp8_wgrad
-    # under a TE FP8 recipe the input gradient follows it (FP8), the weight gradient stays BF16;
-    # flags override both ways
+    # under a TE FP8 recipe both gradients follow it (FP8); flags override both ways
     te = p.parse_args([])
     te.fp8 = "e4m3"
-    assert (fm.resolve(te).experts.fp8_dgrad, fm.resolve(te).experts.fp8_wgrad) == (True, False)
-    off = p.parse_args(["--no-fp8a2a-fp8-dgrad", "--fp8a2a-fp8-wgrad"])
+    assert (fm.resolve(te).experts.fp8_dgrad, fm.resolve(te).experts.fp8_wgrad) == (True, True)
+    off = p.parse_args(["--no-fp8a2a-fp8-dgrad", "--no-fp8a2a-fp8-wgrad"])
     off.fp8 = "e4m3"
-    assert (fm.resolve(off).experts.fp8_dgrad, fm.resolve(off).experts.fp8_wgrad) == (False, True)
+    assert (fm.resolve(off).experts.fp8_dgrad, fm.resolve(off).experts.fp8_wgrad) == (False, False)
+    mixed = p.parse_args(["--no-fp8a2a-fp8-wgrad"])
+    mixed.fp8 = "e4m3"
+    assert (fm.resolve(mixed).experts.fp8_dgrad, fm.resolve(mixed).experts.fp8_wgrad) == (True, False)
     defaults = p.parse_args([])
     assert fm.resolve(defaults) == fm.Options()
     with pytest.raises(SystemExit):

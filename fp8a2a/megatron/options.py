@@ -9,7 +9,7 @@ Each option (the names in NAMES) is looked up, first match wins:
   4. the built-in defaults (DispatcherConfig's, ExpertOptions', capacity_mode "auto"); a granularity
      given nowhere follows the TE recipe (RECIPE_GRANULARITY), and so do the experts (recipe_experts:
      fp8a2a's FP8 experts under a TE FP8 recipe, where they cover the layer) and the FP8 experts'
-     dgrad (recipe_gradients: FP8 under a TE FP8 recipe).
+     dgrad and wgrad (recipe_gradients: FP8 under a TE FP8 recipe).
 resolve(config, fp8_experts) applies this once per layer and returns Options: the Dispatcher's
 DispatcherConfig (the wire options, and the capacity factor that Megatron's capacity settings and
 capacity_mode give it), the experts' ExpertOptions and the capacity mode. ExpertOptions.impl
@@ -167,11 +167,12 @@ def experts_chosen(config) -> bool:
 
 
 def recipe_gradients(config) -> dict:
-    """The FP8 experts' gradient GEMMs of a run that set none: under a TE FP8 recipe (config.fp8) the
-    input gradient in FP8, as TE computes its own layers'; the weight gradient in BF16 under every
-    recipe, since the FP8 one was at most 3% faster at 8 local experts and 1-5% slower at 32 in the
-    Megatron layers measured (README: which precision where). Without a recipe, both BF16."""
-    return {"fp8_dgrad": bool(getattr(config, "fp8", None)), "fp8_wgrad": False}
+    """The FP8 experts' gradient GEMMs of a run that set none: under a TE FP8 recipe (config.fp8) both
+    in FP8, as TE computes its own layers' (the weight gradient scaled 1 x 128 along the tokens, TE
+    blockwise's rule; within the numerics bounds, README: which precision where). Without a recipe,
+    both BF16."""
+    recipe = bool(getattr(config, "fp8", None))
+    return {"fp8_dgrad": recipe, "fp8_wgrad": recipe}
 
 
 def _capacity_factor(config, mode: str) -> Optional[float]:
