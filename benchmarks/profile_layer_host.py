@@ -1,9 +1,10 @@
 """Where the host time of a Megatron MoELayer training step goes (4096 tokens x 8 local experts,
-DeepSeek-V3's EP=32 load, world size 1): fp8a2a's all-FP8 experts against alltoall + TE FP8
-blockwise. A diagnostic for the host-path work, not a table row: bench_megatron_layer.py's table is
-the measured figure.
+DeepSeek-V3's EP=32 load, or 32, its EP=8 load; world size 1): fp8a2a's all-FP8 experts against
+alltoall + TE experts (FP8 blockwise, or --te-recipe). A diagnostic for the host-path work, not a
+table row: bench_megatron_layer.py's table is the measured figure.
 
     python benchmarks/profile_layer_host.py --out DIR     (CUDA, TE: timings, traces, host costs)
+    python benchmarks/profile_layer_host.py --out DIR --experts 32 --te-recipe bf16
     python benchmarks/profile_layer_host.py --analyze DIR/trace_fp8.json.gz ...   (any machine)
 
 On the GPU it prints, per row (one run: a diagnostic): the step's device time (median and min of 20
@@ -87,7 +88,7 @@ def analyze(path, top=25):
             print(f"  {us:9.1f}  {name[:140]}")
 
 
-def profile(out):
+def profile(out, experts=8, te_recipe="blockwise"):
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -98,13 +99,13 @@ def profile(out):
 
     fm.register()
     teardown = world_of_one()
-    shape = bm.GPU_SHAPES["4096 tok x 8 experts top-8 (EP=32)"]
+    shape = next(v for v in bm.GPU_SHAPES.values() if v[1] == experts)
     T, E, K, H, _, _ = shape
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, 1, H, generator=g).cuda().to(torch.bfloat16)
     gy = (torch.randn(T, 1, H, generator=g) * 0.01).cuda().to(torch.bfloat16)
     rows = {"fp8": ("fp8_alltoall", "fp8", None, {"fp8_dgrad": True, "fp8_wgrad": True}),
-            "te": ("alltoall", "te", "blockwise", {})}
+            "te": ("alltoall", "te", None if te_recipe == "bf16" else te_recipe, {})}
     layers, router = {}, None
     for name, (dispatcher, experts, recipe, opts) in rows.items():
         layer, cfg = bm.make_layer(shape, dispatcher, experts, recipe, opts, True)
@@ -191,13 +192,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".", help="where the traces go")
     ap.add_argument("--analyze", nargs="*", help="chrome traces (.json.gz) to analyze instead")
+    ap.add_argument("--experts", type=int, default=8, choices=(8, 32), help="local experts (default 8)")
+    ap.add_argument("--te-recipe", default="blockwise", choices=("blockwise", "tensorwise", "bf16"),
+                    help="the TE row's recipe (default blockwise)")
     args = ap.parse_args()
     if args.analyze:
         for path in args.analyze:
             analyze(path)
     else:
         os.makedirs(args.out, exist_ok=True)
-        profile(args.out)
+        profile(args.out, args.experts, args.te_recipe)
 
 
 if __name__ == "__main__":
