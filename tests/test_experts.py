@@ -331,6 +331,8 @@ def test_wgrad_fp8_per_expert_checks_its_operands():
                         ((a.float(), sa, b, sb, [128]), "float8_e4m3fn")]:
         with pytest.raises(RuntimeError, match=match):
             ops.wgrad_fp8_per_expert(*args, torch.bfloat16)
+    empty = ops.wgrad_fp8_per_expert(a, sa, b, sb, [0, 0], torch.bfloat16)  # no expert has columns: zeros
+    assert empty.shape == (2, 96, 64) and empty.dtype == torch.bfloat16 and empty.abs().max() == 0
 
 
 def test_fp8_wgrad_per_expert_refusal_falls_back(monkeypatch):

@@ -66,6 +66,9 @@ Tensor wgrad_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const T
   check_wgrad_fp8_per_expert(a, scale_a, b, scale_b, widths, out_dtype);
   const c10::cuda::CUDAGuard guard(a.device());
   const int64_t E = static_cast<int64_t>(widths.size()), Na = a.size(0), Nb = b.size(0), M = a.size(1);
+  int64_t total = 0;
+  for (int64_t w : widths) total += w;
+  if (total == 0 || Na == 0 || Nb == 0) return at::zeros({E, Na, Nb}, a.options().dtype(out_dtype));  // no GEMM
   auto out = at::empty({E, Na, Nb}, a.options().dtype(out_dtype));
 #if CUDA_VERSION >= 12090
   // cuBLAS is column-major: out[e] (row-major [Na, Nb]) is D = op(A) B, m = Nb, n = Na, k = the

@@ -79,6 +79,8 @@ def graphed_run(cfg, state=None):
     out = None
     for step in range(2):
         x = torch.randn(SEQ, MBS, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+        if step == 0:  # whether the backward capture reuses the released input buffer depends on the
+            keep_graph_input(x)  # graph pool's state: the two runs could differ in input_layernorm.weight
         G = torch.randn(x.shape, device="cuda", generator=g, dtype=torch.bfloat16)
         for p in layer.parameters():
             p.main_grad.zero_()
@@ -195,8 +197,10 @@ def keep_graph_input(x):
     spec's input_layernorm is torch.nn.LayerNorm, whose native autograd saves the layer input
     unobserved: the backward capture then reuses that buffer (the output-gradient buffer, same
     shape), and every replayed backward computes the LayerNorm's weight gradient (and its part of
-    x.grad) from G instead of x (bias gradient unaffected). Eager, and graphed against graphed (the
-    alltoall test above), it does not show. Marking the input as Megatron's observer would (TE's
+    x.grad) from G instead of x (bias gradient unaffected). Eager it does not show; graphed against
+    graphed (the alltoall test above) it showed once in a full run, the reference and the fp8_alltoall
+    run apart in input_layernorm.weight alone (whether the buffer is reused depends on the graph
+    pool's state), so that test applies it too. Marking the input as Megatron's observer would (TE's
     LayerNormLinear does it in the TE spec) keeps the buffer until the backward capture is done."""
     from megatron.core.transformer import cuda_graphs
     tag = getattr(cuda_graphs, "_tag_cudagraph_buffer_saved_for_backward", None)
