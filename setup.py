@@ -43,16 +43,15 @@ std = [] if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]
 cxx = ["-O3", *std, "-ffp-contract=off"]
 
 
-def cublaslt_library():
-    """The cuBLASLt to link (csrc/cuda/wgrad_fp8.cu calls it): the toolkit's, else the one of the
-    nvidia wheels torch loads (same soname: at run time the library torch loaded serves both)."""
-    roots = [os.path.join(cuda_toolkit(), lib) for lib in ("lib64", "lib")]
-    roots += [os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
-    for root in roots:
-        found = sorted(glob.glob(os.path.join(root, "**", "libcublasLt.so*"), recursive=True), key=len)
-        if found:
-            return found[0]
-    sys.exit("fp8a2a: no libcublasLt.so in the CUDA toolkit or the nvidia wheels (set CUDA_HOME)")
+def cublaslt_link_args():
+    """How to link cuBLASLt (csrc/cuda/wgrad_fp8.cu calls it): the toolkit's, else the nvidia wheels'
+    of torch's CUDA major version (same soname: at run time the library torch loaded serves both),
+    else the linker's own search (-lcublasLt)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    found = [f for lib in ("lib64", "lib") for f in glob.glob(os.path.join(cuda_toolkit(), lib, "libcublasLt.so*"))]
+    for p in sys.path:
+        found += glob.glob(os.path.join(p, "nvidia", "**", f"libcublasLt.so.{major}*"), recursive=True)
+    return [min(found, key=len)] if found else ["-lcublasLt"]
 
 
 if with_cuda:
@@ -60,7 +59,7 @@ if with_cuda:
     ext = CUDAExtension("fp8a2a._C", sources + sorted(glob.glob("csrc/cuda/**/*.cu", recursive=True)),
                         define_macros=[("FP8A2A_WITH_CUDA", None)],  # ops.cpp registers the CUDA kernels
                         extra_compile_args={"cxx": cxx, "nvcc": ["-O3", *std, "--expt-relaxed-constexpr"]},
-                        extra_link_args=[cublaslt_library()])
+                        extra_link_args=cublaslt_link_args())
 else:
     ext = CppExtension("fp8a2a._C", sources, extra_compile_args=cxx)
 

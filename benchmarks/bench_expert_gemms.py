@@ -11,8 +11,9 @@ fc2 2048 -> 7168):
 - weight gradient: the BF16 path (a BF16 x_hat from the FP8 rows + torch._grouped_mm) against the
   FP8 path (two fused quantize-transposes at 1 x 128 along the tokens, then either the Triton
   grouped_wgrad_fp8 or, given the counts on the host, one cuBLAS GEMM per expert with 1 x 128
-  scales on both operands, all from one extension call: ops.wgrad_fp8_per_expert), each part timed, and the dense torch._scaled_mm of the same
-  size with row scales and with the same 1 x 128 block scales.
+  scales on both operands, all from one extension call: ops.wgrad_fp8_per_expert), each part timed,
+  and the dense torch._scaled_mm of the same size with row scales and with the same 1 x 128 block
+  scales.
 TFLOP/s count 2 * M * N * K of useful work (no padding). --tiles also times other tiles of the
 Triton GEMMs. Medians of triton.testing.do_bench (CUDA events).
 """

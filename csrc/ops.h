@@ -199,33 +199,36 @@ inline int64_t check_dequantize(const Tensor& data, const Tensor& scale, at::Sca
 
 // wgrad_fp8_per_expert: a [Na, M] and b [Nb, M] e4m3, their scales [M / 128, Na] and [M / 128, Nb]
 // float32, all contiguous on one device; widths: each expert's columns, multiples of 128 summing to
-// at most M (columns past them are not read).
+// at most M (columns past them are not read). A ValueError: the caller's bug, not a GEMM to fall
+// back from (experts.py treats a RuntimeError as cuBLAS refusing the shape).
 inline void check_wgrad_fp8_per_expert(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
                                        at::IntArrayRef widths, at::ScalarType out_dtype) {
   for (const Tensor* t : {&a, &b}) {
-    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat8_e4m3fn && t->is_contiguous(),
-                "fp8a2a: wgrad_fp8_per_expert needs contiguous float8_e4m3fn [features, tokens] operands, got ",
-                t->sizes(), " ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->scalar_type() == at::kFloat8_e4m3fn && t->is_contiguous(),
+                      "fp8a2a: wgrad_fp8_per_expert needs contiguous float8_e4m3fn [features, tokens] operands, "
+                      "got ", t->sizes(), " ", t->scalar_type());
   }
   const int64_t M = a.size(1);
-  TORCH_CHECK(b.size(1) == M && M % kBlock == 0, "fp8a2a: wgrad_fp8_per_expert: both operands need the same ",
-              "token columns, a multiple of 128, got ", a.sizes(), " and ", b.sizes());
-  for (auto [s, n, name] : {std::make_tuple(&scale_a, a.size(0), "scale_a"), std::make_tuple(&scale_b, b.size(0), "scale_b")}) {
-    TORCH_CHECK(s->dim() == 2 && s->size(0) == M / kBlock && s->size(1) == n && s->scalar_type() == at::kFloat &&
-                    s->is_contiguous(),
-                "fp8a2a: wgrad_fp8_per_expert: ", name, " must be contiguous float32 [", M / kBlock, ", ", n, "], got ",
-                s->sizes(), " ", s->scalar_type());
-    check_same_device(a, *s, name);
+  TORCH_CHECK_VALUE(b.size(1) == M && M % kBlock == 0, "fp8a2a: wgrad_fp8_per_expert: both operands need the ",
+                    "same token columns, a multiple of 128, got ", a.sizes(), " and ", b.sizes());
+  for (auto [s, n, name] : {std::make_tuple(&scale_a, a.size(0), "scale_a"),
+                            std::make_tuple(&scale_b, b.size(0), "scale_b")}) {
+    TORCH_CHECK_VALUE(s->dim() == 2 && s->size(0) == M / kBlock && s->size(1) == n &&
+                          s->scalar_type() == at::kFloat && s->is_contiguous(),
+                      "fp8a2a: wgrad_fp8_per_expert: ", name, " must be contiguous float32 [", M / kBlock, ", ", n,
+                      "], got ", s->sizes(), " ", s->scalar_type());
   }
-  check_same_device(a, b, "b");
+  for (const Tensor* t : {&scale_a, &b, &scale_b})
+    TORCH_CHECK_VALUE(t->device() == a.device(), "fp8a2a: wgrad_fp8_per_expert: an operand is on ", t->device(),
+                      ", a is on ", a.device());
   int64_t total = 0;
   for (int64_t w : widths) {
-    TORCH_CHECK(w >= 0 && w % kBlock == 0, "fp8a2a: wgrad_fp8_per_expert: widths must be multiples of 128, got ", w);
+    TORCH_CHECK_VALUE(w >= 0 && w % kBlock == 0 && w <= M - total, "fp8a2a: wgrad_fp8_per_expert: widths must be ",
+                      "multiples of 128 summing to at most ", M, " columns, got ", widths);
     total += w;
   }
-  TORCH_CHECK(total <= M, "fp8a2a: wgrad_fp8_per_expert: widths sum to ", total, " columns of ", M);
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
-              "fp8a2a: wgrad_fp8_per_expert: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+                    "fp8a2a: wgrad_fp8_per_expert: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
 }
 
 // dispatch_unpack: the checks that need only shapes (those on the counts' values are the CPU's

@@ -18,8 +18,9 @@ fp8_wgrad=True (lossy; README's numerics give its effect on training) computes d
 scaled as TE's blockwise recipe scales them: dY and x_hat quantized per 128 tokens of an expert and
 column (1 x 128 along the GEMM's reduction; every expert padded to a multiple of 128 tokens), each
 by one fused quantize-transpose (x_hat straight from the saved FP8 rows), then one cuBLAS GEMM per
-expert with both 1 x 128 scales (cuBLASLt, all launched by one extension call: ops.wgrad_fp8_per_expert;
-given tokens_per_expert on the host and large groups: ExpertsConfig.cublas_wgrad_min_rows_per_expert) or one Triton grouped GEMM that applies both
+expert with both 1 x 128 scales (cuBLASLt, all launched by one extension call:
+ops.wgrad_fp8_per_expert; given tokens_per_expert on the host and large groups:
+ExpertsConfig.cublas_wgrad_min_rows_per_expert) or one Triton grouped GEMM that applies both
 scales per 128-token step (triton_kernels.grouped_wgrad_fp8, sm_90+). The 'reference'
 backend emulates the same roundings (_block_col_quant_t); a machine without Triton or TMA keeps the
 BF16 dW, with a warning.

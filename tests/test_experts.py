@@ -312,8 +312,9 @@ def test_fp8_wgrad_per_expert_gemms_slice_the_padded_operands(tpe, exact):
         mpad = sum(-(-n // 128) * 128 for n in tpe)
     (a, sa), (b, sb) = (experts._block_col_quant_t(v, offs, pad_offs, mpad) for v in (g, x))
     if not exact:  # what the Triton quantize-transpose leaves past the last expert: not read
-        a[:, pad_offs[-1]:] = float("nan")
-        sa[pad_offs[-1] // 128:] = float("nan")
+        for q, s in ((a, sa), (b, sb)):
+            q[:, pad_offs[-1]:] = float("nan")
+            s[pad_offs[-1] // 128:] = float("nan")
     got = experts._wgrad_fp8_per_expert(a, sa, b, sb, tpe, torch.float32)
     ref = experts._wgrad_fp8_reference(g, x, offs, len(tpe))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -321,15 +322,17 @@ def test_fp8_wgrad_per_expert_gemms_slice_the_padded_operands(tpe, exact):
 
 
 def test_wgrad_fp8_per_expert_checks_its_operands():
-    """Bad operands get a clear error, not a read past the buffers."""
+    """Bad operands get a clear ValueError (not a read past the buffers, and not the RuntimeError
+    that _wgrad_fp8_per_expert takes for cuBLAS refusing the shape)."""
     a, b = torch.zeros(96, 256).to(torch.float8_e4m3fn), torch.zeros(64, 256).to(torch.float8_e4m3fn)
     sa, sb = torch.ones(2, 96), torch.ones(2, 64)
-    for args, match in [((a, sa, b, sb, [128, 256]), "widths sum to 384"),
+    for args, match in [((a, sa, b, sb, [128, 256]), "summing to at most 256"),
+                        ((a, sa, b, sb, [2 ** 62, 2 ** 62]), "summing to at most 256"),  # no wrap-around
                         ((a, sa, b, sb, [100]), "multiples of 128"),
                         ((a, sa, b, torch.ones(1, 64), [128]), "scale_b must be"),
                         ((a, sa, b[:, :128].contiguous(), sb, [128]), "same token columns"),
                         ((a.float(), sa, b, sb, [128]), "float8_e4m3fn")]:
-        with pytest.raises(RuntimeError, match=match):
+        with pytest.raises(ValueError, match=match):
             ops.wgrad_fp8_per_expert(*args, torch.bfloat16)
     empty = ops.wgrad_fp8_per_expert(a, sa, b, sb, [0, 0], torch.bfloat16)  # no expert has columns: zeros
     assert empty.shape == (2, 96, 64) and empty.dtype == torch.bfloat16 and empty.abs().max() == 0

@@ -455,7 +455,8 @@ std::tuple<Tensor, Tensor> combine_backward_rows_cpu(const Tensor& data, const s
 
 
 // The semantics of the FP8 weight gradient's per-expert GEMMs: each operand dequantized (its e4m3
-// values times the scale of their 128-column block), one float32 matmul per expert. cuBLAS's
+// values times the scale of their 128-column block), one float32 matmul per expert (the product
+// fp8a2a/experts.py's _wgrad_fp8_reference emulates from its own quantization). cuBLAS's
 // accumulation order differs, so the CUDA op matches this one to a tolerance, not to the byte.
 Tensor wgrad_fp8_per_expert_cpu(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
                                 at::IntArrayRef widths, at::ScalarType out_dtype) {

@@ -2,13 +2,16 @@
 // operands, all launched from one host call. torch._scaled_mm builds its descriptors and asks
 // cuBLASLt's heuristic on every call, a host cost per expert that the backward waits on (the step is
 // host-bound there); here the descriptors are built once per call and the algorithm is found once
-// per (device, shape, out dtype) and reused, with the settings torch uses (its handle, workspace,
-// no fast accumulation).
+// per (device, shape and expert width, out dtype) and reused, with the settings torch uses (its
+// handle, workspace, no fast accumulation). Built with a toolkit older than CUDA 12.9 (no 1 x 128
+// scale mode in its headers) the op refuses, and experts.py runs the Triton grouped GEMM.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 #include <cuda.h>
+
+#include <cstdint>
 
 #include <map>
 #include <mutex>
@@ -40,7 +43,7 @@ using Layout = Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
 using Preference = Owned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
 
 template <typename V>
-void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
+void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
   check_lt(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), "cublasLtMatmulDescSetAttribute");
 }
 
@@ -52,9 +55,10 @@ cudaDataType_t cuda_type(at::ScalarType t) {
   }
 }
 
-// (device, m, n, k, out type) -> the heuristic's algorithm; the leading dimension is left out (it is
-// every call's token columns): cuBLASLt refuses an algorithm that does not fit, and then the
-// heuristic is asked for that exact problem.
+// (device, m, n, k, out type) -> the heuristic's algorithm; k is an expert's padded width, so a run
+// holds at most one entry per 128 rows of its largest expert. The leading dimension (every call's
+// token columns) is left out: cuBLASLt refuses an algorithm that does not fit, and then the
+// heuristic is asked for that exact problem and its answer kept.
 using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int>;
 std::mutex algo_mutex;
 std::map<AlgoKey, cublasLtMatmulAlgo_t> algo_cache;
@@ -69,6 +73,11 @@ Tensor wgrad_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const T
   int64_t total = 0;
   for (int64_t w : widths) total += w;
   if (total == 0 || Na == 0 || Nb == 0) return at::zeros({E, Na, Nb}, a.options().dtype(out_dtype));  // no GEMM
+  // cuBLASLt's FP8 GEMMs: dimensions and addresses in 16 bytes (a RuntimeError: experts.py falls back)
+  auto aligned = [](const Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; };
+  TORCH_CHECK(Na % 16 == 0 && Nb % 16 == 0 && aligned(a) && aligned(b) && aligned(scale_a) && aligned(scale_b),
+              "fp8a2a: wgrad_fp8_per_expert: cuBLASLt's FP8 GEMM needs both operands' rows in multiples of 16 and ",
+              "16-byte aligned tensors, got ", Na, " and ", Nb, " rows");
   auto out = at::empty({E, Na, Nb}, a.options().dtype(out_dtype));
 #if CUDA_VERSION >= 12090
   // cuBLAS is column-major: out[e] (row-major [Na, Nb]) is D = op(A) B, m = Nb, n = Na, k = the
@@ -77,12 +86,12 @@ Tensor wgrad_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const T
   const cudaDataType_t out_type = cuda_type(out_dtype);
   MatmulDesc desc;
   check_lt(cublasLtMatmulDescCreate(&desc.h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
-  set(desc.h, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  set(desc.h, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  set_attr(desc.h, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_attr(desc.h, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
   const int32_t vec128 = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-  set(desc.h, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, vec128);
-  set(desc.h, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, vec128);
-  set(desc.h, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(0));
+  set_attr(desc.h, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, vec128);
+  set_attr(desc.h, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, vec128);
+  set_attr(desc.h, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(0));
   Layout la, lb, lc;
   check_lt(cublasLtMatrixLayoutCreate(&la.h, CUDA_R_8F_E4M3, kBlock, Nb, M), "cublasLtMatrixLayoutCreate");
   check_lt(cublasLtMatrixLayoutCreate(&lb.h, CUDA_R_8F_E4M3, kBlock, Na, M), "cublasLtMatrixLayoutCreate");
@@ -122,8 +131,8 @@ Tensor wgrad_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const T
     for (auto* l : {la.h, lb.h})
       check_lt(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_ROWS, &k, sizeof(k)),
                "cublasLtMatrixLayoutSetAttribute");
-    set(desc.h, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(psb + start / kBlock * Nb));
-    set(desc.h, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(psa + start / kBlock * Na));
+    set_attr(desc.h, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(psb + start / kBlock * Nb));
+    set_attr(desc.h, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(psa + start / kBlock * Na));
     const AlgoKey key{a.get_device(), Nb, Na, static_cast<int64_t>(k), static_cast<int>(out_type)};
     cublasLtMatmulAlgo_t algo;
     {
@@ -136,9 +145,13 @@ Tensor wgrad_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const T
                             ws, ws_size, stream);
     };
     cublasStatus_t status = matmul();
-    if (status == CUBLAS_STATUS_NOT_SUPPORTED) {  // the cached algorithm does not fit this leading dimension
-      algo = heuristic(k);
+    if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE) {
+      algo = heuristic(k);  // the cached algorithm does not fit this leading dimension: this one's
       status = matmul();
+      if (status == CUBLAS_STATUS_SUCCESS) {
+        std::lock_guard<std::mutex> lock(algo_mutex);
+        algo_cache[key] = algo;
+      }
     }
     check_lt(status, "cublasLtMatmul");
     start += static_cast<int64_t>(k);

@@ -321,7 +321,7 @@ def register(**defaults):
     fp8_dispatch_backward, bf16_below_bytes, experts ("megatron" or "fp8"), and the FP8 experts'
     fp8_dgrad, fp8_wgrad); config
     attributes fp8a2a_<name> and the --fp8a2a-* flags take precedence; a granularity, experts or
-    FP8 experts' dgrad given nowhere follow the TE recipe (options.RECIPE_GRANULARITY,
+    FP8 experts' dgrad / wgrad given nowhere follow the TE recipe (options.RECIPE_GRANULARITY,
     options.recipe_experts, options.recipe_gradients). Returns the defaults as options.Options."""
     import megatron.core  # noqa: F401  (a clear ImportError when megatron-core is missing)
 
