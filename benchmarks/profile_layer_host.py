@@ -173,6 +173,10 @@ def profile(out, experts=8, te_recipe="blockwise"):
     counts = torch.tensor([M // E] * E)
     offs = torch.cumsum(counts, 0, dtype=torch.int32).cuda()
     cfg = fx._Cfg("scaled_grouped_mm", True, True, "swiglu", True)
+    # fc1's FP8 weight-gradient operands (g^T [2 * ffn, tokens], x_hat^T [hidden, tokens], 1 x 128 scales)
+    width = sum(-(-n // 128) * 128 for n in counts.tolist())
+    ga, xa = (torch.randn(n, width, device="cuda").to(torch.float8_e4m3fn) for n in (2 * shape[4], H))
+    gs, xas = (torch.rand(width // 128, n, device="cuda") + 0.5 for n in (2 * shape[4], H))
     pieces = {"expert weight stand-ins (_fp8_weights)": mlp._fp8_weights,
               "FP8 weight cache hit (fp8_weight)": lambda: fp8_weight(w1),
               "offsets from host counts (_offsets)": lambda: fx._offsets(counts, M, E, xq.device, None, True),
@@ -180,7 +184,9 @@ def profile(out, experts=8, te_recipe="blockwise"):
               "two TMA descriptors": lambda: (tg.TensorDescriptor.from_tensor(xq, [128, 128]),
                                               tg.TensorDescriptor.from_tensor(w1q.view(-1, H), [256, 128])),
               "grouped FP8 GEMM launch (grouped_mm_fp8)": lambda: tg.grouped_mm_fp8(xq, xs, w1q, s1, offs),
-              "forward GEMM call (_mm_fp8)": lambda: fx._mm_fp8(cfg, xq, xs, w1q, s1, offs)}
+              "forward GEMM call (_mm_fp8)": lambda: fx._mm_fp8(cfg, xq, xs, w1q, s1, offs),
+              "fc1's FP8 wgrad GEMMs, one per expert, one call (_wgrad_fp8_per_expert)":
+                  lambda: fx._wgrad_fp8_per_expert(ga, gs, xa, xas, counts.tolist(), torch.bfloat16)}
     print(f"host us per call (a one-element add: {costs.host_reference_us('cuda'):.1f} us):")
     for what, fn in pieces.items():
         # about a second of device work queued ahead of every call
