@@ -107,8 +107,8 @@ def profile(out, experts=8, te_recipe="blockwise"):
     rows = {"fp8": ("fp8_alltoall", "fp8", None, {"fp8_dgrad": True, "fp8_wgrad": True}),
             "te": ("alltoall", "te", None if te_recipe == "bf16" else te_recipe, {})}
     layers, router = {}, None
-    for name, (dispatcher, experts, recipe, opts) in rows.items():
-        layer, cfg = bm.make_layer(shape, dispatcher, experts, recipe, opts, True)
+    for name, (dispatcher, impl, recipe, opts) in rows.items():
+        layer, cfg = bm.make_layer(shape, dispatcher, impl, recipe, opts, True)
         router = layer.router.weight.detach().clone() if router is None else router
         with torch.no_grad():
             layer.router.weight.copy_(router)  # one routing for both rows

@@ -200,8 +200,8 @@ inline int64_t check_dequantize(const Tensor& data, const Tensor& scale, at::Sca
 // wgrad_fp8_per_expert: a [Na, M] and b [Nb, M] e4m3, their scales [M / 128, Na] and [M / 128, Nb]
 // float32, all contiguous on one device; widths: each expert's columns, multiples of 128 summing to
 // at most M (columns past them are not read). A ValueError: the caller's bug, not a GEMM to fall
-// back from (experts.py treats a RuntimeError as cuBLAS refusing the shape).
-inline void check_wgrad_fp8_per_expert(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
+// back from (experts.py treats a RuntimeError as cuBLAS refusing the shape). Returns the widths' sum.
+inline int64_t check_wgrad_fp8_per_expert(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
                                        at::IntArrayRef widths, at::ScalarType out_dtype) {
   for (const Tensor* t : {&a, &b}) {
     TORCH_CHECK_VALUE(t->dim() == 2 && t->scalar_type() == at::kFloat8_e4m3fn && t->is_contiguous(),
@@ -229,6 +229,7 @@ inline void check_wgrad_fp8_per_expert(const Tensor& a, const Tensor& scale_a, c
   }
   TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
                     "fp8a2a: wgrad_fp8_per_expert: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  return total;
 }
 
 // dispatch_unpack: the checks that need only shapes (those on the counts' values are the CPU's

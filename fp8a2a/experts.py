@@ -278,6 +278,11 @@ def _starts(ends):
     return F.pad(ends[:-1], (1, 0))
 
 
+def _block_widths(counts):
+    """Each group's rows padded to a multiple of 128 (whole scale blocks), from host counts."""
+    return [-(-n // BLOCK) * BLOCK for n in counts]
+
+
 def _wgrad_padding(offs, rows, counts=None):
     """(padded group ends int32 [G] on offs' device, column bound) of the FP8 weight gradient's
     operands: every group padded to a multiple of 128 tokens (no scale block straddles two experts).
@@ -285,7 +290,7 @@ def _wgrad_padding(offs, rows, counts=None):
     groups' exact width, at least one block: an operand of width 0 has no TMA descriptor), else
     computed on the device (no host sync) into a buffer of static size."""
     if counts is not None:
-        ends = list(itertools.accumulate(-(-n // BLOCK) * BLOCK for n in counts))
+        ends = list(itertools.accumulate(_block_widths(counts)))
         return torch.tensor(ends, dtype=torch.int32).to(offs.device, non_blocking=True), max([BLOCK] + ends[-1:])
     counts = offs - _starts(offs)
     pad_offs = torch.cumsum((counts + BLOCK - 1) // BLOCK * BLOCK, 0, dtype=torch.int32)
@@ -324,7 +329,7 @@ def _wgrad_fp8_per_expert(a, sa, b, sb, counts, out_dtype):
     its padded token columns (host counts: the bounds of each call), all launched by one call of the
     extension (ops.wgrad_fp8_per_expert); None where cuBLAS refuses."""
     try:
-        return ops.wgrad_fp8_per_expert(a, sa, b, sb, [-(-n // BLOCK) * BLOCK for n in counts], out_dtype)
+        return ops.wgrad_fp8_per_expert(a, sa, b, sb, _block_widths(counts), out_dtype)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as err:  # a cuBLAS without 1 x 128 scales: the Triton GEMM

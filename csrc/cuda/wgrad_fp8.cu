@@ -67,11 +67,9 @@ std::map<AlgoKey, cublasLtMatmulAlgo_t> algo_cache;
 
 Tensor wgrad_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
                                  at::IntArrayRef widths, at::ScalarType out_dtype) {
-  check_wgrad_fp8_per_expert(a, scale_a, b, scale_b, widths, out_dtype);
+  const int64_t total = check_wgrad_fp8_per_expert(a, scale_a, b, scale_b, widths, out_dtype);
   const c10::cuda::CUDAGuard guard(a.device());
   const int64_t E = static_cast<int64_t>(widths.size()), Na = a.size(0), Nb = b.size(0), M = a.size(1);
-  int64_t total = 0;
-  for (int64_t w : widths) total += w;
   if (total == 0 || Na == 0 || Nb == 0) return at::zeros({E, Na, Nb}, a.options().dtype(out_dtype));  // no GEMM
   // cuBLASLt's FP8 GEMMs: dimensions and addresses in 16 bytes (a RuntimeError: experts.py falls back)
   auto aligned = [](const Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; };
