@@ -5,9 +5,10 @@
 
 Per (local experts, rows per expert), hidden 7168 and expert FFN 2048 (fc1 7168 -> 4096 SwiGLU,
 fc2 2048 -> 7168):
-- forward: the grouped FP8 GEMM FP8GroupedMLP runs (row-scaled e4m3 rows and weights) against one
-  dense torch._scaled_mm of the same total size (all rows against one expert's weight), the
-  ceiling a grouped GEMM can reach;
+- forward: the FP8 GEMM FP8GroupedMLP runs (row-scaled e4m3 rows and weights) with the counts on the
+  device (the grouped GEMM) and on the host (from ExpertsConfig.dense_min_rows_per_expert rows per
+  expert: one dense torch._scaled_mm per expert), against one dense torch._scaled_mm of the same
+  total size (all rows against one expert's weight), the ceiling a grouped GEMM can reach;
 - weight gradient: the BF16 path (a BF16 x_hat from the FP8 rows + torch._grouped_mm) against the
   FP8 path (two fused quantize-transposes at 1 x 128 along the tokens, then either the Triton
   grouped_wgrad_fp8 or, given the counts on the host, one cuBLAS GEMM per expert with 1 x 128
@@ -60,8 +61,10 @@ def run_load(name, E, R, tiles):
         wq, sw = experts.fp8_weight(w)
         dense = dense_fp8_ms(M, n, k)
         t = ms(lambda: experts._mm_fp8(cfg, xq, xs, wq, sw, offs))
+        host = ms(lambda: experts._mm_fp8(cfg, xq, xs, wq, sw, offs, [R] * E))
         row = {"fwd_ms": t, "fwd_tflops": tflops(M, n, k, t), "dense_fp8_ms": dense,
-               "dense_fp8_tflops": tflops(M, n, k, dense), "fwd_of_dense": dense / t}
+               "dense_fp8_tflops": tflops(M, n, k, dense), "fwd_of_dense": dense / t,
+               "fwd_host_counts_ms": host, "fwd_host_counts_of_dense": dense / host}
         if tiles:
             row["fwd_tiles"] = {str(tl): ms(lambda: tk.grouped_mm_fp8(xq, xs, wq, sw, offs, tile=tl)) for tl in FWD_TILES}
         # weight gradient: dW [E, n, k] = g^T @ x_hat per expert
@@ -102,14 +105,15 @@ def run_load(name, E, R, tiles):
 
 
 def table(rows):
-    lines = ["| load | GEMM | fwd TFLOP/s (of dense) | dense FP8 TFLOP/s | wgrad BF16 ms | wgrad FP8 ms "
+    lines = ["| load | GEMM | fwd TFLOP/s (of dense) | fwd, host counts | dense FP8 TFLOP/s | wgrad BF16 ms | wgrad FP8 ms "
              "(quant dY + quant x + GEMM) | FP8 wgrad GEMM TFLOP/s | wgrad FP8, cuBLAS per expert: ms, GEMM "
-             "TFLOP/s | dense 1 x 128 FP8 TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "TFLOP/s | dense 1 x 128 FP8 TFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for gemm in ("fc1", "fc2"):
             x = r[gemm]
             lines.append(f"| {r['experts']} x {r['rows_per_expert']} | {gemm} | {x['fwd_tflops']:.0f} "
-                         f"({x['fwd_of_dense']:.2f}) | {x['dense_fp8_tflops']:.0f} | {x['wgrad_bf16_ms']:.3f} | "
+                         f"({x['fwd_of_dense']:.2f}) | {x['fwd_host_counts_of_dense']:.2f} of dense | "
+                         f"{x['dense_fp8_tflops']:.0f} | {x['wgrad_bf16_ms']:.3f} | "
                          f"{x['wgrad_fp8_ms']:.3f} ({x['wgrad_fp8_quant_g_ms']:.3f} + {x['wgrad_fp8_quant_x_ms']:.3f}"
                          f" + {x['wgrad_fp8_gemm_ms']:.3f}) | {x['wgrad_fp8_gemm_tflops']:.0f} | "
                          f"{x['wgrad_fp8_cublas_ms']:.3f}, {x['wgrad_fp8_cublas_gemm_tflops']:.0f} | "

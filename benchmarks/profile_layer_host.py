@@ -179,7 +179,7 @@ def profile(out, experts=8, te_recipe="blockwise"):
     gs, xas = (torch.rand(width // 128, n, device="cuda") + 0.5 for n in (2 * shape[4], H))
     pieces = {"expert weight stand-ins (_fp8_weights)": mlp._fp8_weights,
               "FP8 weight cache hit (fp8_weight)": lambda: fp8_weight(w1),
-              "offsets from host counts (_offsets)": lambda: fx._offsets(counts, M, E, xq.device, None, True),
+              "offsets from host counts (_offsets)": lambda: fx._offsets(counts, M, E, xq.device, None),
               "output allocation (torch.empty)": lambda: torch.empty((M, 4096), device="cuda", dtype=torch.bfloat16),
               "two TMA descriptors": lambda: (tg.TensorDescriptor.from_tensor(xq, [128, 128]),
                                               tg.TensorDescriptor.from_tensor(w1q.view(-1, H), [256, 128])),

@@ -63,6 +63,7 @@ from .wire import BLOCK, FP8
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
+_DENSE_REFUSED = set()  # (device, N, K) where torch._scaled_mm refused the per-expert GEMMs
 _INT32_MAX = 2 ** 31 - 1  # the GEMMs' row offsets are int32
 
 
@@ -89,14 +90,20 @@ class ExpertsConfig:
                               the group bounds there, and a host sync is never added for them);
                               below it, or with device counts, the Triton grouped GEMM. 0: always
                               cuBLAS given host counts.
+    dense_min_rows_per_expert:
+                              likewise for the row-scaled FP8 GEMMs of the scaled_grouped_mm backend
+                              (forward, FP8 dgrad): from this average, one dense torch._scaled_mm
+                              per expert (faster than the grouped GEMMs on large groups, BENCHMARKS.md)
+                              when tokens_per_expert is on the host.
     """
     block128_native: bool = True
     tma_max_rows_per_expert: int = 4096
     triton_backward: bool = False
     cublas_wgrad_min_rows_per_expert: int = 1024
+    dense_min_rows_per_expert: int = 4096
 
     def __post_init__(self):
-        for name in ("tma_max_rows_per_expert", "cublas_wgrad_min_rows_per_expert"):
+        for name in ("tma_max_rows_per_expert", "cublas_wgrad_min_rows_per_expert", "dense_min_rows_per_expert"):
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"fp8a2a: {name} must be >= 0, got {getattr(self, name)}")
 
@@ -199,8 +206,29 @@ def _warn_refused(err, op="torch._scaled_grouped_mm refused this shape"):
     warnings.warn(f"fp8a2a: {op} ({err}); using the Triton grouped GEMM", RuntimeWarning, stacklevel=3)
 
 
-def _mm_fp8(cfg, xq, xs, wq, sw, offs):
-    """bf16 [M, N] = xs * (xq @ wq[e]^T) * sw[e] per expert; xs [M] (any strides) or [M, K/128]."""
+def _mm_fp8_per_expert(a, sa, wq, sw, counts, fast_accum):
+    """bf16 [M, N] = sa * (a @ wq[e]^T) * sw[e], one dense row-scaled torch._scaled_mm per expert
+    into its rows of one output (host counts: the bounds of each call); None where torch refuses."""
+    out = torch.empty((a.shape[0], wq.shape[1]), device=a.device, dtype=torch.bfloat16)
+    sa, start = sa.view(-1, 1), 0
+    try:
+        for e, n in enumerate(counts):
+            if n:
+                torch._scaled_mm(a[start:start + n], wq[e].t(), sa[start:start + n], sw[e:e + 1],
+                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=out[start:start + n])
+            start += n
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as err:  # the op refused this shape: remember, use the grouped GEMM
+        _DENSE_REFUSED.add((a.device, wq.shape[1], a.shape[1]))
+        _warn_refused(err, "torch._scaled_mm refused the per-expert GEMMs")
+        return None
+    return out
+
+
+def _mm_fp8(cfg, xq, xs, wq, sw, offs, counts=None):
+    """bf16 [M, N] = xs * (xq @ wq[e]^T) * sw[e] per expert; xs [M] (any strides) or [M, K/128].
+    counts: the rows per expert on the host, or None."""
     backend, fast_accum, tuning = cfg.backend, cfg.fast_accum, cfg.tuning
     M, N = xq.shape[0], wq.shape[1]
     if M == 0:
@@ -211,6 +239,11 @@ def _mm_fp8(cfg, xq, xs, wq, sw, offs):
         key = (N, xq.shape[1], capability(xq.device))
         if key not in _SGMM_REFUSED:
             a, sa = _block_to_row(xq, xs) if xs.dim() == 2 else (xq, xs.contiguous())
+            if (counts is not None and M >= tuning.dense_min_rows_per_expert * len(counts)
+                    and (xq.device, N, xq.shape[1]) not in _DENSE_REFUSED and not torch.cuda.is_current_stream_capturing()):
+                out = _mm_fp8_per_expert(a, sa, wq, sw.contiguous(), counts, fast_accum)
+                if out is not None:
+                    return out
             if fast_accum and M <= tuning.tma_max_rows_per_expert * wq.shape[0] and triton_kernels() is not None \
                     and triton_kernels().fp8_tma_ok(a, wq):
                 return triton_kernels().grouped_mm_fp8(a, sa, wq, sw, offs)
@@ -228,7 +261,7 @@ def _mm_fp8(cfg, xq, xs, wq, sw, offs):
     return _ref_mm(_dequant(xq, xs), _dequant(wq.flatten(0, 1), sw.flatten()).view(wq.shape), offs).to(torch.bfloat16)
 
 
-def _dgrad(cfg, g, w, offs):
+def _dgrad(cfg, g, w, offs, counts=None):
     """bf16 [M, K] = g[rows of e] @ w[e], g [M, N] bf16, w [E, N, K] master weights."""
     M, K = g.shape[0], w.shape[2]
     if M == 0:
@@ -236,7 +269,7 @@ def _dgrad(cfg, g, w, offs):
     if cfg.fp8_dgrad:  # the forward's FP8 weight, transposed; its scales (along N) folded into g
         wtq, sw = fp8_weight(w, transposed=True)
         gq, gs = _quant_col_scaled(cfg, g, sw, offs)
-        return _mm_fp8(cfg, gq, gs, wtq, _unit_scales(w.shape[0], K, g.device), offs)
+        return _mm_fp8(cfg, gq, gs, wtq, _unit_scales(w.shape[0], K, g.device), offs, counts)
     w = dense_weight(w)
     if cfg.backend == "reference":
         return _ref_mm(g, w.transpose(-2, -1), offs).to(torch.bfloat16)
@@ -451,7 +484,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, weight, rw, offs, counts, cfg):
         wq, sw = fp8_weight(weight)
-        y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs)
+        y = _mm_fp8(cfg, xq, _fold(xs, rw), wq, sw, offs, counts)
         _save(ctx, xq, xs, weight, rw, offs)  # FP8 rows + scales, not a BF16 copy
         ctx.cfg, ctx.counts, ctx.anchor_dtype = cfg, counts, (anchor.dtype if anchor is not None else None)
         return y
@@ -465,9 +498,9 @@ class _GroupedLinear(torch.autograd.Function):
         dx = dw = drw = None
         if need_rw:  # d rw_i = dY_i . y_i before weighting: recompute that forward GEMM (no saved copy)
             wq, sw = fp8_weight(weight)
-            drw = (dy.float() * _mm_fp8(ctx.cfg, xq, xs, wq, sw, offs)).sum(1).to(rw.dtype)
+            drw = (dy.float() * _mm_fp8(ctx.cfg, xq, xs, wq, sw, offs, ctx.counts)).sum(1).to(rw.dtype)
         if need_x:
-            gx = _dgrad(ctx.cfg, dy, weight, offs)  # dY @ W, before the router weights
+            gx = _dgrad(ctx.cfg, dy, weight, offs, ctx.counts)  # dY @ W, before the router weights
             dx = (gx if rw is None else gx * rw.to(torch.float32)[:, None]).to(ctx.anchor_dtype)
         if need_w:
             dw = _wgrad(ctx.cfg, dy, xq, _fold(xs, rw), offs, weight, ctx.counts)
@@ -478,10 +511,10 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xq, xs, anchor, w1, w2, rw, offs, counts, cfg):
         w1q, s1 = fp8_weight(w1)
-        z = _mm_fp8(cfg, xq, xs, w1q, s1, offs)  # [M, 2F or F] bf16
+        z = _mm_fp8(cfg, xq, xs, w1q, s1, offs, counts)  # [M, 2F or F] bf16
         hq, hs = _act_fwd(cfg, z, rw)  # act(z) * rw, quantized per row for fc2
         w2q, s2 = fp8_weight(w2)  # (after fc1's launch: the GPU starts it while the host looks this up)
-        y = _mm_fp8(cfg, hq, hs, w2q, s2, offs)
+        y = _mm_fp8(cfg, hq, hs, w2q, s2, offs, counts)
         _save(ctx, xq, xs, z, hq, hs, w1, w2, rw, offs)
         ctx.cfg, ctx.counts, ctx.anchor_dtype = cfg, counts, (anchor.dtype if anchor is not None else None)
         return y
@@ -498,13 +531,13 @@ class _GroupedMLP(torch.autograd.Function):
             dw2 = _wgrad(cfg, dy, hq, hs, offs, w2, ctx.counts)
         if not (need_x or need_w1 or need_rw):
             return None, None, None, None, dw2, None, None, None, None
-        dh = _dgrad(cfg, dy, w2, offs)
+        dh = _dgrad(cfg, dy, w2, offs, ctx.counts)
         dz, drw = _act_bwd(cfg, z, dh, rw)
         del dh
         if need_w1:
             dw1 = _wgrad(cfg, dz, xq, xs, offs, w1, ctx.counts)
         if need_x:
-            dx = _dgrad(cfg, dz, w1, offs).to(ctx.anchor_dtype)
+            dx = _dgrad(cfg, dz, w1, offs, ctx.counts).to(ctx.anchor_dtype)
         if drw is not None:
             drw = drw.to(rw.dtype)
         return None, None, dx, dw1, dw2, drw if need_rw else None, None, None, None
@@ -530,9 +563,9 @@ def _as_quantized(q) -> QuantizedTensor:
     raise TypeError(f"fp8a2a: expected a QuantizedTensor (or a 2-D float tensor), got {type(q).__name__}")
 
 
-def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=False):
-    """(offs int32 [E] on device, the counts on the host or None): keep_host keeps counts given on
-    the host (the FP8 wgrad's per-expert GEMMs take their bounds; not in a graph capture, whose
+def _offsets(tokens_per_expert, rows, num_experts, device, check):
+    """(offs int32 [E] on device, the counts on the host or None): counts given on the host are kept
+    for a CUDA device (the per-expert GEMMs take their bounds; not in a graph capture, whose
     replays would keep this call's bounds). Counts on the host are checked (unless check is False
     or 'async') and summed there, and reach the device in one copy; counts on the device, and
     counts on the host under check='async' or a graph capture, are summed on the device."""
@@ -551,7 +584,7 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
     if check in (True, "sync") and (min(counts, default=0) < 0 or sum(counts) != rows):
         raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
                          f"but the input has {rows} rows (they must match, no count negative)")
-    host = tuple(counts) if keep_host and on_host and device.type == "cuda" and not capturing else None
+    host = tuple(counts) if on_host and device.type == "cuda" and not capturing else None
     if on_host and check != "async" and not capturing:  # summed here, one copy in
         ends = list(itertools.accumulate(counts))
         if ends and max(ends) > _INT32_MAX:
@@ -570,7 +603,7 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check, keep_host=Fals
     return offs, host
 
 
-def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights, fp8_wgrad):
+def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_weights):
     q = _as_quantized(q)
     xq, xs = q.data, q.scale
     M, H = xq.shape
@@ -583,7 +616,7 @@ def _prepare(q, tokens_per_expert, num_experts, hidden, backend, check, router_w
     if xs.dim() == 0:  # tensor scale: a row scale that every row shares
         xs = xs.reshape(1).expand(M)
     be = resolve_backend(backend, xq.device)
-    offs, counts = _offsets(tokens_per_expert, M, num_experts, xq.device, check, keep_host=fp8_wgrad)
+    offs, counts = _offsets(tokens_per_expert, M, num_experts, xq.device, check)
     anchor = q.grad_anchor if torch.is_grad_enabled() else None
     return xq, xs, anchor, offs, counts, be
 
@@ -605,7 +638,7 @@ def grouped_linear(q, weight: torch.Tensor, tokens_per_expert, router_weights: O
     if weight.dim() != 3:
         raise ValueError(f"fp8a2a: weight must be [E, out, in], got shape {tuple(weight.shape)}")
     xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, weight.shape[0], weight.shape[2], backend,
-                                                check, router_weights, fp8_wgrad)
+                                                check, router_weights)
     cfg = _Cfg(be, fp8_dgrad=fp8_dgrad, fast_accum=fast_accum, fp8_wgrad=fp8_wgrad,
                tuning=_checked_config(config))
     return _GroupedLinear.apply(xq, xs, anchor, weight, router_weights, offs, counts, cfg)
@@ -652,7 +685,7 @@ class FP8GroupedMLP(torch.nn.Module):
         without the module's hooks): e.g. expert_weights stand-ins of another module's per-expert
         parameters."""
         xq, xs, anchor, offs, counts, be = _prepare(q, tokens_per_expert, self.num_local_experts, self.hidden,
-                                                    self.backend, check, router_weights, self.fp8_wgrad)
+                                                    self.backend, check, router_weights)
         cfg = _Cfg(be, self.fp8_dgrad, self.fast_accum, self.activation, self.fp8_wgrad, self.config)
         return _GroupedMLP.apply(xq, xs, anchor, fc1_weight, fc2_weight, router_weights, offs, counts, cfg)
 

@@ -152,37 +152,53 @@ def grouped_mm(a, b, offs, sa=None, sb=None, b_strides=None, n=None):
     return out
 
 
-# BM, BN, BK, warps, stages of grouped_mm_fp8 (BENCHMARKS.md, Expert GEMMs); at K <= 2048 (fc2's 16 steps
-# of 128) with large groups a taller tile reads fewer B tiles per output and is faster
+# BM, BN, BK, warps, stages of grouped_mm_fp8 (BENCHMARKS.md, Expert GEMMs)
 FP8_TILE = (128, 256, 128, 8, 4)
-FP8_TILE_SHORT_K = (256, 128, 128, 8, 4)
 
 
-def fp8_tile(M, K, E):
-    """grouped_mm_fp8's default tile for M rows of reduction K over E groups."""
-    return FP8_TILE_SHORT_K if K <= 2048 and M >= 512 * E else FP8_TILE
+def fp8_group_m(K):
+    """grouped_mm_fp8's default tile order for reduction K: at K <= 2048 (fc2's 16 steps of 128) 8
+    row tiles share each column tile in turn (faster there, Expert GEMMs); else 1, the column tiles
+    of one row tile in turn."""
+    return 8 if K <= 2048 else 1
+
+
+@triton.jit
+def _grouped_order(t, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile t: GROUP_M row tiles take each column tile in turn, so
+    that consecutive tiles read the same B tile from L2 (GROUP_M = 1: one row tile's column tiles in
+    turn, which read the same A tile)."""
+    width = GROUP_M * num_n
+    first_m = (t // width) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (t % width) % rows, (t % width) // rows
 
 
 @triton.jit
 def _grouped_mm_fp8_kernel(a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, offs_ptr, N, K, E, s_sam, PROGRAMS: tl.constexpr,
-                           EB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Persistent: PROGRAMS programs walk the output tiles; the loop over tiles is flattened into the
-    K loop, so the next tile's loads are in flight during this one's epilogue (K = 2048 is only 16
-    steps of 128: a tile's pipeline fill and epilogue are not small beside its MMAs)."""
+                           EB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           GROUP_M: tl.constexpr):
+    """Persistent: PROGRAMS programs walk the output tiles (in _grouped_order); the loop over tiles is
+    flattened into the K loop, so the next tile's loads are in flight during this one's epilogue
+    (K = 2048 is only 16 steps of 128: a tile's pipeline fill and epilogue are not small beside its
+    MMAs)."""
     ee, starts, ends, tiles, cum = _tile_table(offs_ptr, E, BM, EB)
+    num_m = tl.sum(tiles, 0)
     num_n = tl.cdiv(N, BN)
     tile_out = tl.program_id(0) - PROGRAMS  # the epilogue's own tile counter: the pipeliner wants one
-    for tile in tl.range(tl.program_id(0), tl.sum(tiles, 0) * num_n, PROGRAMS, flatten=True):
-        e, row0, _ = _row_tile(tile // num_n, ee, starts, ends, tiles, cum, E, BM)
-        n0 = (tile % num_n) * BN
+    for tile in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True):
+        tm, tn = _grouped_order(tile, num_m, num_n, GROUP_M)
+        e, row0, _ = _row_tile(tm, ee, starts, ends, tiles, cum, E, BM)
+        n0 = tn * BN
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):  # rows past the expert's end are computed and not stored
             a = a_desc.load([row0, k0])
             b = b_desc.load([e * N + n0, k0])
             acc = tl.dot(a, b.T, acc)
         tile_out += PROGRAMS
-        e, row0, row_end = _row_tile(tile_out // num_n, ee, starts, ends, tiles, cum, E, BM)
-        n0 = (tile_out % num_n) * BN
+        tm, tn = _grouped_order(tile_out, num_m, num_n, GROUP_M)
+        e, row0, row_end = _row_tile(tm, ee, starts, ends, tiles, cum, E, BM)
+        n0 = tn * BN
         rm = row0 + tl.arange(0, BM)
         rn = n0 + tl.arange(0, BN)
         m_ok = rm < row_end
@@ -208,11 +224,12 @@ def fp8_tma_ok(a, w) -> bool:
             and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
-def grouped_mm_fp8(a, sa, w, sw, offs, tile=None):
+def grouped_mm_fp8(a, sa, w, sw, offs, tile=None, group_m=None):
     """bf16 [M, N] = sa * (a @ w[e]^T) * sw[e] per expert group: e4m3 a [M, K] and w [E, N, K]
     (fp8_tma_ok), sa [M] (any stride), sw [E, N] contiguous. Operands through TMA, accumulation
     without promotion (what torch._scaled_grouped_mm does with use_fast_accum=True), one tile size
-    (fp8_tile, or `tile` to try another): faster than torch's at a few hundred rows per expert."""
+    (FP8_TILE, or `tile` to try another) in fp8_group_m's order (or `group_m`'s): faster than
+    torch's at a few hundred rows per expert."""
     M, K = a.shape
     E, N, _ = w.shape
     out = torch.empty((M, N), device=a.device, dtype=torch.bfloat16)
@@ -220,13 +237,13 @@ def grouped_mm_fp8(a, sa, w, sw, offs, tile=None):
         return out
     if K == 0:
         return out.zero_()
-    BM, BN, BK, warps, stages = tile or fp8_tile(M, K, E)
+    BM, BN, BK, warps, stages = tile or FP8_TILE
     programs = sm_count(a.device)  # a constant: the tile count lives on the device
     _grouped_mm_fp8_kernel[(programs,)](TensorDescriptor.from_tensor(a, [BM, BK]),
                                         TensorDescriptor.from_tensor(w.view(E * N, K), [BN, BK]), out, sa,
                                         sw.contiguous(), offs, N, K, E, sa.stride(0), PROGRAMS=programs,
-                                        EB=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK, num_warps=warps,
-                                        num_stages=stages)
+                                        EB=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK,
+                                        GROUP_M=group_m or fp8_group_m(K), num_warps=warps, num_stages=stages)
     return out
 
 
@@ -307,11 +324,9 @@ def _grouped_wgrad_fp8_kernel(a_desc, b_desc, sa_ptr, sb_ptr, poffs_ptr, out_ptr
     num_m = tl.cdiv(NA, BM)
     num_n = tl.cdiv(NB, BN)
     e = pid // (num_m * num_n)
-    t = pid % (num_m * num_n)
-    first_m = (t // (GROUP_M * num_n)) * GROUP_M  # GROUP_M row tiles share the B tiles they read from L2
-    rows = tl.minimum(num_m - first_m, GROUP_M)
-    m0 = (first_m + (t % (GROUP_M * num_n)) % rows) * BM
-    n0 = ((t % (GROUP_M * num_n)) // rows) * BN
+    tm, tn = _grouped_order(pid % (num_m * num_n), num_m, num_n, GROUP_M)
+    m0 = tm * BM
+    n0 = tn * BN
     pstart = tl.load(poffs_ptr + e - 1, mask=e > 0, other=0)
     pend = tl.load(poffs_ptr + e)
     rm = m0 + tl.arange(0, BM)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from . import wire
 # the GEMMs, and the tile loader the activation kernels share with the weight-gradient GEMM
-from .triton_gemm import (FP8_TILE, FP8_TILE_SHORT_K, SCALE_BLOCK, _load_rows, fp8_tma_ok,  # noqa: F401
+from .triton_gemm import (FP8_TILE, SCALE_BLOCK, _load_rows, fp8_tma_ok,  # noqa: F401
                           grouped_mm, grouped_mm_fp8, grouped_wgrad, grouped_wgrad_fp8, tma_ok)
 
 # The wire's constants the kernels read (fp8a2a.wire, csrc/fp8_common.h). A global a kernel reads

@@ -837,13 +837,13 @@ TOL = {"triton": 1e-2, "scaled_grouped_mm": 2.5e-2}
 
 
 def _run_mlp(backend, hidden, ffn, act="swiglu", granularity="row", fp8_dgrad=False, rw=True, seed=0,
-             fast_accum=True, fp8_wgrad=False, config=None):
+             fast_accum=True, fp8_wgrad=False, config=None, counts_on="cuda"):
     torch.manual_seed(seed)
     mlp = FP8GroupedMLP(len(GPU_TPE), hidden, ffn, act, backend=backend, fp8_dgrad=fp8_dgrad, device="cuda",
                         fast_accum=fast_accum, fp8_wgrad=fp8_wgrad, config=config)
     x, r = inputs(GPU_TPE, hidden, "cuda", seed)
     r = r if rw else None
-    y = mlp(make_q(x, granularity), torch.tensor(GPU_TPE, device="cuda"), r)
+    y = mlp(make_q(x, granularity), torch.tensor(GPU_TPE, device=counts_on), r)
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16))
     return [y.detach(), x.grad, mlp.fc1_weight.grad, mlp.fc2_weight.grad] + ([r.grad] if rw else [])
 
@@ -863,6 +863,24 @@ def test_gpu_mlp_vs_reference(backend, shape):
     if backend == "triton":  # the Triton dgrad / wgrad kernels too (torch._grouped_mm otherwise)
         check(MLP_NAMES, _run_mlp(backend, hidden, ffn, config=ExpertsConfig(triton_backward=True)), ref,
               TOL[backend])
+
+
+@gpu
+@pytest.mark.parametrize("fp8_dgrad", [False, True])
+def test_gpu_dense_per_expert(fp8_dgrad, monkeypatch):
+    """Host counts from dense_min_rows_per_expert rows per expert on: the forward and FP8 dgrad GEMMs
+    run one dense torch._scaled_mm per expert with rows (an expert of one row among them) and give
+    the reference's output and gradients, and the grouped GEMMs' (device counts) up to accumulation
+    order; no fallback taken."""
+    rows, scaled_mm = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, *args, **kw: rows.append(a.shape[0]) or scaled_mm(a, *args, **kw))
+    cfg = ExpertsConfig(dense_min_rows_per_expert=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a refused call would warn and fall back
+        got = _run_mlp("scaled_grouped_mm", 2048, 768, fp8_dgrad=fp8_dgrad, config=cfg, counts_on="cpu")
+    assert rows == [n for n in GPU_TPE if n] * (4 if fp8_dgrad else 2) and not experts._DENSE_REFUSED
+    check(MLP_NAMES, got, _run_mlp("reference", 2048, 768, fp8_dgrad=fp8_dgrad), TOL["scaled_grouped_mm"])
+    check(MLP_NAMES, got, _run_mlp("scaled_grouped_mm", 2048, 768, fp8_dgrad=fp8_dgrad, config=cfg), 1e-2)
 
 
 @gpu
@@ -1081,8 +1099,8 @@ def test_gpu_grouped_mm_fp8_tma(tpe, n, k):
     assert y.shape == (M, n) and y.dtype == torch.bfloat16
     if M:
         assert rel(y, ref) < 5e-3
-        for tile in (tk.FP8_TILE, tk.FP8_TILE_SHORT_K):  # both default tiles, whichever fp8_tile picks here
-            assert rel(tk.grouped_mm_fp8(xq, xs, wq, sw, offs, tile=tile), ref) < 5e-3
+        for group_m in (1, 3, 8):  # tile orders (fp8_group_m picks 1 or 8 by K): each tile computed alike
+            assert torch.equal(tk.grouped_mm_fp8(xq, xs, wq, sw, offs, group_m=group_m), y)
     if n % 16 == 0 and M:  # the op it stands in for: the same arithmetic (fast accumulation)
         y_op = torch._scaled_grouped_mm(xq, wq.transpose(-2, -1), xs.contiguous(), sw, offs=offs,
                                         out_dtype=torch.bfloat16, use_fast_accum=True)
