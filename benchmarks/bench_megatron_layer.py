@@ -344,12 +344,19 @@ def run_shape(name, shape, args, cuda):
                 rows[v.name]["profile"] = p = profile_row(v, args.repeat)
                 if v.prepare is not None:
                     v.prepare()
-                if p and v.cfg is not None and getattr(v.cfg, "fp8a2a_fp8_wgrad", False) and \
-                        getattr(v.cfg, "fp8a2a_experts", None) == "fp8" and all(p["fp8_cublas_runs_ms"]):
-                    # the per-expert cuBLAS wgrad GEMMs in the step: 2 * rows * (fc1 + fc2 weights)
-                    # of useful work, every routed row once (no capacity drop in these rows)
+                if p and v.cfg is not None and getattr(v.cfg, "fp8a2a_experts", None) == "fp8" and \
+                        all(p["fp8_cublas_runs_ms"]):
+                    # cuBLAS's FP8 GEMMs in the step, one per expert: the FP8 wgrad's, and from
+                    # dense_min_rows_per_expert rows per expert the forward's and the FP8 dgrad's;
+                    # each pass 2 * rows * (fc1 + fc2 weights) of useful work, every routed row
+                    # once (no capacity drop in these rows)
+                    dense = T * K >= fp8a2a.ExpertsConfig().dense_min_rows_per_expert * E
+                    gemms = [n for n, on in (("forward", dense), ("dgrad", dense and getattr(v.cfg, "fp8a2a_fp8_dgrad", False)),
+                                             ("wgrad", getattr(v.cfg, "fp8a2a_fp8_wgrad", False))) if on]
                     flop = 2 * T * K * H * (2 * Fh + Fh) if v.cfg.gated_linear_unit else 2 * T * K * H * 2 * Fh
-                    p["wgrad_tflops_runs"] = [flop / ms / 1e9 for ms in p["fp8_cublas_runs_ms"]]
+                    if gemms:
+                        p["cublas_fp8_gemms"] = gemms
+                        p["cublas_fp8_tflops_runs"] = [len(gemms) * flop / ms / 1e9 for ms in p["fp8_cublas_runs_ms"]]
     for vname, r in rows.items():  # ratios per run, then their median
         if kind == "table":
             base_name = BASELINE
@@ -404,10 +411,10 @@ def format_table(res):
                     out.append(f"    busy over {len(p['busy_runs_ms'])} profiled steps: "
                                f"{statistics.median(p['busy_runs_ms']):.2f} [{min(p['busy_runs_ms']):.2f}-"
                                f"{max(p['busy_runs_ms']):.2f}] ms, span {statistics.median(p['span_runs_ms']):.2f}")
-                if p.get("wgrad_tflops_runs"):
-                    w = p["wgrad_tflops_runs"]
-                    out.append(f"    FP8 wgrad GEMMs (cuBLAS, per expert) in the step: {statistics.median(w):.0f} "
-                               f"[{min(w):.0f}-{max(w):.0f}] TFLOP/s of useful work")
+                if p.get("cublas_fp8_tflops_runs"):
+                    w = p["cublas_fp8_tflops_runs"]
+                    out.append(f"    cuBLAS FP8 GEMMs, one per expert ({' + '.join(p['cublas_fp8_gemms'])}) in the step: "
+                               f"{statistics.median(w):.0f} [{min(w):.0f}-{max(w):.0f}] TFLOP/s of useful work")
                 out.append(f"    span {p['span_ms']:.2f} ms; longest gaps: " + "; ".join(
                     f"{g['us']:.0f} us {g['before'][:30]} -> {g['after'][:30]} ({' < '.join(h[:50] for h in g['host'])})"
                     for g in p["gaps"][:3]))

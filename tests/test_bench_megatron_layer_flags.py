@@ -87,17 +87,17 @@ def test_recast_counted_when_a_timed_call_would_recast():
 
 
 def test_profile_runs_and_wgrad_rate_in_the_table():
-    """The profile block prints the busy time over the profiled steps and the FP8 wgrad GEMMs' rate
+    """The profile block prints the busy time over the profiled steps and the per-expert cuBLAS FP8 GEMMs' rate
     (median [min-max]) where a row has them."""
     prof = {"busy_ms": 9.8, "by_class_ms": {"GEMM": 7.1, "other": 2.7}, "syncs": 1, "d2h": 1, "span_ms": 12.0,
             "gaps": [], "top_ms": [("nvjet_sm90_qqtst", 2.85)], "busy_runs_ms": [9.8, 9.7, 9.9],
             "span_runs_ms": [12.0, 12.2, 11.9], "fp8_cublas_runs_ms": [2.85, 2.86, 2.84],
-            "wgrad_tflops_runs": [1012.6, 1009.1, 1016.2]}
+            "cublas_fp8_gemms": ["wgrad"], "cublas_fp8_tflops_runs": [1012.6, 1009.1, 1016.2]}
     row = {"fwd_bwd_ms": 12.0, "runs_min_ms": 11.9, "runs_max_ms": 12.1, "refresh_ms": 0.4,
            "step_ms": {"1": 12.4, "8": 12.05, "32": 12.01}, "profile": prof}
     text = bm.format_table({"shapes": [{"shape": "s", "hidden": 7168, "ffn": 2048, "rows": {"r": row}}]})
     assert "busy over 3 profiled steps: 9.80 [9.70-9.90] ms, span 12.00" in text
-    assert "FP8 wgrad GEMMs (cuBLAS, per expert) in the step: 1013 [1009-1016] TFLOP/s" in text
-    del prof["wgrad_tflops_runs"], prof["busy_runs_ms"]
+    assert "cuBLAS FP8 GEMMs, one per expert (wgrad) in the step: 1013 [1009-1016] TFLOP/s" in text
+    del prof["cublas_fp8_tflops_runs"], prof["busy_runs_ms"]
     text = bm.format_table({"shapes": [{"shape": "s", "hidden": 7168, "ffn": 2048, "rows": {"r": row}}]})
-    assert "wgrad GEMMs" not in text and "profiled steps" not in text
+    assert "cuBLAS FP8 GEMMs" not in text and "profiled steps" not in text
