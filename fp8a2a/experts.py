@@ -64,7 +64,7 @@ BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
 _DENSE_REFUSED = set()  # (device, N, K) where torch._scaled_mm refused the per-expert GEMMs
-_DENSE_MIN_ROWS = 32  # cuBLAS refuses a row-scaled FP8 GEMM of one row (H100, torch 2.11): fewer run on a window
+_DENSE_MIN_ROWS = 32  # experts of fewer rows run on a window of this many (cuBLAS refused one row, H100, torch 2.11)
 _INT32_MAX = 2 ** 31 - 1  # the GEMMs' row offsets are int32
 
 
@@ -207,20 +207,36 @@ def _warn_refused(err, op="torch._scaled_grouped_mm refused this shape"):
     warnings.warn(f"fp8a2a: {op} ({err}); using the Triton grouped GEMM", RuntimeWarning, stacklevel=3)
 
 
+def _expert_row_scales(sa, counts):
+    """Each expert's row scales as an [n, 1] tensor starting on 16 bytes, as cuBLASLt needs its scale
+    vectors (slices of sa start wherever the experts do): sa copied once, every expert's start
+    rounded up to 4 floats."""
+    pad, pieces, starts, at = sa.new_zeros(3), [], [], 0
+    for n, row in zip(counts, itertools.accumulate(counts, initial=0)):
+        starts.append(at)
+        pieces.append(sa[row:row + n])
+        gap = -(at + n) % 4
+        if gap:
+            pieces.append(pad[:gap])
+        at += n + gap
+    buf = torch.cat(pieces)
+    return [buf[s:s + n, None] for s, n in zip(starts, counts)]
+
+
 def _mm_fp8_per_expert(a, sa, wq, sw, counts, fast_accum):
     """bf16 [M, N] = sa * (a @ wq[e]^T) * sw[e], one dense row-scaled torch._scaled_mm per expert
     into its rows of one output (host counts: the bounds of each call); None where torch refuses."""
     M = a.shape[0]
     out = torch.empty((M, wq.shape[1]), device=a.device, dtype=torch.bfloat16)
-    sa, start = sa.view(-1, 1), 0
+    start = 0
     try:
-        for e, n in enumerate(counts):
+        for e, (n, sa_e) in enumerate(zip(counts, _expert_row_scales(sa, counts))):
             if n >= _DENSE_MIN_ROWS:
-                torch._scaled_mm(a[start:start + n], wq[e].t(), sa[start:start + n], sw[e:e + 1],
-                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum, out=out[start:start + n])
+                torch._scaled_mm(a[start:start + n], wq[e].t(), sa_e, sw[e:e + 1], out_dtype=torch.bfloat16,
+                                 use_fast_accum=fast_accum, out=out[start:start + n])
             elif n:  # a window of _DENSE_MIN_ROWS rows around the expert's (its neighbours' results dropped)
                 lo = max(0, min(start, M - _DENSE_MIN_ROWS))
-                win = torch._scaled_mm(a[lo:lo + _DENSE_MIN_ROWS], wq[e].t(), sa[lo:lo + _DENSE_MIN_ROWS],
+                win = torch._scaled_mm(a[lo:lo + _DENSE_MIN_ROWS], wq[e].t(), sa[lo:lo + _DENSE_MIN_ROWS, None].clone(),
                                        sw[e:e + 1], out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
                 out[start:start + n] = win[start - lo:start - lo + n]
             start += n

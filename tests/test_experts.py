@@ -6,6 +6,7 @@ Ground truth is float64 with the straight-through rules of fp8a2a/experts.py spe
 values use the FP8 input, FP8 weights (per output channel), a bf16 fc1 output and a per-row FP8
 activation; gradients flow to the input and the master weights as if no quantization happened."""
 import contextlib
+import itertools
 import warnings
 
 import pytest
@@ -754,6 +755,27 @@ def test_forward_with_matches_functional_call():
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7]])
+def test_dense_per_expert_scales_and_windows(counts):
+    """The per-expert dense GEMMs on CPU (torch._scaled_mm runs there too): every expert's row
+    scales start on 16 bytes (cuBLASLt refused unaligned ones on an H100) and hold its own values,
+    and experts of fewer than _DENSE_MIN_ROWS rows (first, inner, last; an input smaller than the
+    window) come out of their windows as a float64 product per expert does."""
+    torch.manual_seed(31)
+    M, E, N, K = sum(counts), len(counts), 64, 48
+    a = torch.randn(M, K).to(torch.float8_e4m3fn)
+    sa = torch.rand(M) + 0.5
+    w, sw = torch.randn(E, N, K).to(torch.float8_e4m3fn), torch.rand(E, N) + 0.5
+    starts = [0] + list(itertools.accumulate(counts))
+    for e, s in enumerate(experts._expert_row_scales(sa, counts)):
+        assert s.shape == (counts[e], 1) and torch.equal(s[:, 0], sa[starts[e]:starts[e + 1]])
+        assert counts[e] == 0 or s.data_ptr() % 16 == 0
+    y = experts._mm_fp8_per_expert(a, sa, w, sw, counts, fast_accum=True)
+    ref = torch.cat([(a[s:t].double() * sa[s:t, None].double()) @ (w[e].double() * sw[e][:, None].double()).t()
+                     for e, (s, t) in enumerate(zip(starts, starts[1:]))])
+    assert y.dtype == torch.bfloat16 and rel(y, ref) < 1e-2
+
+
 def test_offsets_host_and_device_paths_agree():
     """Counts on the host are checked and summed there (one copy to the GPU); the device path
     (check='async') sums them with cumsum: the same int32 offsets."""
@@ -869,8 +891,8 @@ def test_gpu_mlp_vs_reference(backend, shape):
 @pytest.mark.parametrize("fp8_dgrad", [False, True])
 def test_gpu_dense_per_expert(fp8_dgrad, monkeypatch):
     """Host counts from dense_min_rows_per_expert rows per expert on: the forward and FP8 dgrad GEMMs
-    run one dense torch._scaled_mm per expert with rows (an expert of one row among them, which cuBLAS
-    takes only in a window of more rows) and give
+    run one dense torch._scaled_mm per expert with rows (experts starting off 16 bytes of the row scales
+    and one of one row, run on a window of rows, among them) and give
     the reference's output and gradients, and the grouped GEMMs' (device counts) up to accumulation
     order; no fallback taken."""
     rows, scaled_mm = [], torch._scaled_mm
