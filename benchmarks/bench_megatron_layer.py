@@ -273,7 +273,7 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
 
 
 # cuBLAS's FP8 GEMMs on Hopper (its kernel names; elsewhere no rate is reported): in the FP8 experts'
-# rows, their per-expert wgrad
+# rows, their per-expert GEMMs (the wgrad's; the forward's and dgrad's on large groups)
 FP8_CUBLAS = re.compile(r"nvjet_sm90_qq")
 
 

@@ -33,7 +33,10 @@ Backends (backend=..., 'auto' picks the first that fits):
   shape the op refuses (e.g. K not a multiple of 16) goes to the Triton GEMM (warned once). Up to
   ExpertsConfig.tma_max_rows_per_expert rows per expert on average the fast-accumulation GEMM is
   triton_kernels.grouped_mm_fp8 instead: the same arithmetic and the same bytes out, with a
-  128 x 256 x 128 tile fed by TMA, where that is faster than the op's smaller tile.
+  128 x 256 x 128 tile fed by TMA, where that is faster than the op's smaller tile. Before either:
+  given tokens_per_expert on the host (outside graph capture) and at least
+  ExpertsConfig.dense_min_rows_per_expert rows per expert on average, one dense torch._scaled_mm
+  per expert (faster than both on large groups).
 - 'triton': the FP8 GEMMs in fp8a2a.triton_kernels (grouped GEMM with a row- or block128-scale
   epilogue, fp32 promotion every 128 of K), for CUDA machines without a usable _scaled_grouped_mm.
 - 'reference': dequantize and loop over experts in fp32 (any device; the CPU path).
@@ -64,7 +67,8 @@ BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
 _DENSE_REFUSED = set()  # (device, N, K) where torch._scaled_mm refused the per-expert GEMMs
-_DENSE_MIN_ROWS = 32  # experts of fewer rows run on a window of this many (cuBLAS refused one row, H100, torch 2.11)
+_DENSE_MIN_ROWS = 32  # experts of fewer rows run on a window of this many (a one-row GEMM was refused on an H100,
+# though at a misaligned scale offset, which may have been the cause: kept until a GPU run says)
 _INT32_MAX = 2 ** 31 - 1  # the GEMMs' row offsets are int32
 
 
@@ -79,7 +83,8 @@ class ExpertsConfig:
     tma_max_rows_per_expert:  average rows per expert up to which the scaled_grouped_mm backend's
                               fast-accumulation GEMMs run triton_kernels.grouped_mm_fp8 (faster than
                               torch's op over the range measured in BENCHMARKS.md); above it,
-                              torch's op. 0: always torch's op.
+                              torch's op. 0: always torch's op. (Host counts from
+                              dense_min_rows_per_expert: the per-expert GEMMs before either.)
     triton_backward:          the BF16 backward GEMMs use the Triton kernels even where
                               torch._grouped_mm runs (tests; torch builds without a working
                               _grouped_mm fall back by themselves).
@@ -203,8 +208,8 @@ def _warn_fp8_wgrad_unavailable(backend):
                   "weight gradient here", RuntimeWarning, stacklevel=4)
 
 
-def _warn_refused(err, op="torch._scaled_grouped_mm refused this shape"):
-    warnings.warn(f"fp8a2a: {op} ({err}); using the Triton grouped GEMM", RuntimeWarning, stacklevel=3)
+def _warn_refused(err, op="torch._scaled_grouped_mm refused this shape", instead="the Triton grouped GEMM"):
+    warnings.warn(f"fp8a2a: {op} ({err}); using {instead}", RuntimeWarning, stacklevel=3)
 
 
 def _expert_row_scales(sa, counts):
@@ -244,9 +249,18 @@ def _mm_fp8_per_expert(a, sa, wq, sw, counts, fast_accum):
         raise
     except RuntimeError as err:  # the op refused this shape: remember, use the grouped GEMM
         _DENSE_REFUSED.add((a.device, wq.shape[1], a.shape[1]))
-        _warn_refused(err, "torch._scaled_mm refused the per-expert GEMMs")
+        _warn_refused(err, "torch._scaled_mm refused the per-expert GEMMs", "the grouped GEMM")
         return None
     return out
+
+
+def _dense_per_expert(tuning, counts, device, M, N, K) -> bool:
+    """Whether _mm_fp8 runs one dense GEMM per expert: counts on the host, outside graph capture, at
+    least tuning.dense_min_rows_per_expert rows per expert on average (and a window's worth), a shape
+    torch has not refused."""
+    return (counts is not None and M >= max(tuning.dense_min_rows_per_expert * len(counts), _DENSE_MIN_ROWS)
+            and (device, N, K) not in _DENSE_REFUSED
+            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 
 
 def _mm_fp8(cfg, xq, xs, wq, sw, offs, counts=None):
@@ -262,8 +276,7 @@ def _mm_fp8(cfg, xq, xs, wq, sw, offs, counts=None):
         key = (N, xq.shape[1], capability(xq.device))
         if key not in _SGMM_REFUSED:
             a, sa = _block_to_row(xq, xs) if xs.dim() == 2 else (xq, xs.contiguous())
-            if (counts is not None and M >= tuning.dense_min_rows_per_expert * len(counts)
-                    and (xq.device, N, xq.shape[1]) not in _DENSE_REFUSED and not torch.cuda.is_current_stream_capturing()):
+            if _dense_per_expert(tuning, counts, xq.device, M, N, xq.shape[1]):
                 out = _mm_fp8_per_expert(a, sa, wq, sw.contiguous(), counts, fast_accum)
                 if out is not None:
                     return out
@@ -588,8 +601,8 @@ def _as_quantized(q) -> QuantizedTensor:
 
 def _offsets(tokens_per_expert, rows, num_experts, device, check):
     """(offs int32 [E] on device, the counts on the host or None): counts given on the host are kept
-    for a CUDA device (the per-expert GEMMs take their bounds; not in a graph capture, whose
-    replays would keep this call's bounds). Counts on the host are checked (unless check is False
+    for a CUDA device when they are valid (the per-expert GEMMs take their bounds; not in a graph
+    capture, whose replays would keep this call's bounds). Counts on the host are checked (unless check is False
     or 'async') and summed there, and reach the device in one copy; counts on the device, and
     counts on the host under check='async' or a graph capture, are summed on the device."""
     tpe = torch.as_tensor(tokens_per_expert)
@@ -607,7 +620,9 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
     if check in (True, "sync") and (min(counts, default=0) < 0 or sum(counts) != rows):
         raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
                          f"but the input has {rows} rows (they must match, no count negative)")
-    host = tuple(counts) if on_host and device.type == "cuda" and not capturing else None
+    # (only valid counts: under check=False or 'async' nothing else stops wrong ones before the GEMMs)
+    host = tuple(counts) if (on_host and device.type == "cuda" and not capturing and min(counts, default=0) >= 0
+                             and sum(counts) == rows) else None
     if on_host and check != "async" and not capturing:  # summed here, one copy in
         ends = list(itertools.accumulate(counts))
         if ends and max(ends) > _INT32_MAX:
@@ -676,7 +691,7 @@ class FP8GroupedMLP(torch.nn.Module):
     backend: 'auto' | 'scaled_grouped_mm' | 'triton' | 'reference'; fp8_dgrad: FP8 input-gradient
     GEMMs (default BF16); fp8_wgrad: FP8 weight-gradient GEMMs, operands quantized per 128 tokens
     of an expert and column (default BF16; lossy; sm_90+ with Triton, or the 'reference' backend,
-    see the module docstring); fast_accum: torch._scaled_grouped_mm's fast accumulation (default on);
+    see the module docstring); fast_accum: torch._scaled_grouped_mm's (and the per-expert torch._scaled_mm's) fast accumulation (default on);
     config: an ExpertsConfig, how the GPU backends pick their kernels (default ExpertsConfig())."""
 
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu", *,

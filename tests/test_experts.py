@@ -755,6 +755,19 @@ def test_forward_with_matches_functional_call():
         assert torch.equal(got, want)
 
 
+def test_dense_per_expert_routing(monkeypatch):
+    """One dense GEMM per expert only with host counts, from dense_min_rows_per_expert rows per expert
+    on average and a window's worth of rows, for a shape torch has not refused."""
+    cpu, cfg = torch.device("cpu"), ExpertsConfig()
+    assert experts._dense_per_expert(cfg, (4096,) * 8, cpu, 4096 * 8, 7168, 2048)
+    assert not experts._dense_per_expert(cfg, None, cpu, 4096 * 8, 7168, 2048)  # device counts
+    assert not experts._dense_per_expert(cfg, (4095,) * 8, cpu, 4095 * 8, 7168, 2048)
+    assert experts._dense_per_expert(ExpertsConfig(dense_min_rows_per_expert=0), (40, 0), cpu, 40, 64, 48)
+    assert not experts._dense_per_expert(ExpertsConfig(dense_min_rows_per_expert=0), (20, 0), cpu, 20, 64, 48)
+    monkeypatch.setattr(experts, "_DENSE_REFUSED", {(cpu, 7168, 2048)})
+    assert not experts._dense_per_expert(cfg, (4096,) * 8, cpu, 4096 * 8, 7168, 2048)
+
+
 @pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7]])
 def test_dense_per_expert_scales_and_windows(counts):
     """The per-expert dense GEMMs on CPU (torch._scaled_mm runs there too): every expert's row
