@@ -214,15 +214,18 @@ def _warn_refused(err, op="torch._scaled_grouped_mm refused this shape", instead
 
 def _expert_row_scales(sa, counts):
     """Each expert's row scales as an [n, 1] tensor starting on 16 bytes, as cuBLASLt needs its scale
-    vectors (slices of sa start wherever the experts do): sa copied once, every expert's start
-    rounded up to 4 floats."""
-    pad, pieces, starts, at = sa.new_zeros(3), [], [], 0
-    for n, row in zip(counts, itertools.accumulate(counts, initial=0)):
+    vectors: slices of sa where every expert's already does (counts padded to 16 under a TE FP8
+    recipe), else sa copied once with every expert's start rounded up to 4 floats."""
+    rows = list(itertools.accumulate(counts, initial=0))
+    if sa.data_ptr() % 16 == 0 and all(r % 4 == 0 for r, n in zip(rows, counts) if n):
+        return [sa[r:r + n, None] for r, n in zip(rows, counts)]
+    pieces, starts, at = [], [], 0
+    for n, r in zip(counts, rows):
         starts.append(at)
-        pieces.append(sa[row:row + n])
+        pieces.append(sa[r:r + n])
         gap = -(at + n) % 4
         if gap:
-            pieces.append(pad[:gap])
+            pieces.append(sa.new_zeros(gap))
         at += n + gap
     buf = torch.cat(pieces)
     return [buf[s:s + n, None] for s, n in zip(starts, counts)]
@@ -617,12 +620,12 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
     if check is None:
         check = "sync" if on_host else "async"
     counts = tpe.tolist() if on_host or check in (True, "sync") else None  # (counts on the GPU: a host sync)
-    if check in (True, "sync") and (min(counts, default=0) < 0 or sum(counts) != rows):
+    valid = counts is not None and min(counts, default=0) >= 0 and sum(counts) == rows
+    if check in (True, "sync") and not valid:
         raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
                          f"but the input has {rows} rows (they must match, no count negative)")
-    # (only valid counts: under check=False or 'async' nothing else stops wrong ones before the GEMMs)
-    host = tuple(counts) if (on_host and device.type == "cuda" and not capturing and min(counts, default=0) >= 0
-                             and sum(counts) == rows) else None
+    # only valid counts: under check=False or 'async' nothing else stops wrong ones before the GEMMs
+    host = tuple(counts) if on_host and valid and device.type == "cuda" and not capturing else None
     if on_host and check != "async" and not capturing:  # summed here, one copy in
         ends = list(itertools.accumulate(counts))
         if ends and max(ends) > _INT32_MAX:

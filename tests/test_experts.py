@@ -768,21 +768,24 @@ def test_dense_per_expert_routing(monkeypatch):
     assert not experts._dense_per_expert(cfg, (4096,) * 8, cpu, 4096 * 8, 7168, 2048)
 
 
-@pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7]])
+@pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7], [32, 0, 64, 16]])
 def test_dense_per_expert_scales_and_windows(counts):
     """The per-expert dense GEMMs on CPU (torch._scaled_mm runs there too): every expert's row
-    scales start on 16 bytes (cuBLASLt refused unaligned ones on an H100) and hold its own values,
-    and experts of fewer than _DENSE_MIN_ROWS rows (first, inner, last; an input smaller than the
-    window) come out of their windows as a float64 product per expert does."""
+    scales start on 16 bytes (cuBLASLt refused unaligned ones on an H100; where every expert's
+    already does, they are views, no copy) and hold its own values, and experts of fewer than
+    _DENSE_MIN_ROWS rows (first, inner, last; an input smaller than the window) come out of their
+    windows as a float64 product per expert does."""
     torch.manual_seed(31)
     M, E, N, K = sum(counts), len(counts), 64, 48
     a = torch.randn(M, K).to(torch.float8_e4m3fn)
     sa = torch.rand(M) + 0.5
     w, sw = torch.randn(E, N, K).to(torch.float8_e4m3fn), torch.rand(E, N) + 0.5
     starts = [0] + list(itertools.accumulate(counts))
+    aligned = all(r % 4 == 0 for r, n in zip(starts, counts) if n)  # (a fresh tensor starts on 16 bytes)
     for e, s in enumerate(experts._expert_row_scales(sa, counts)):
         assert s.shape == (counts[e], 1) and torch.equal(s[:, 0], sa[starts[e]:starts[e + 1]])
         assert counts[e] == 0 or s.data_ptr() % 16 == 0
+        assert (s.untyped_storage().data_ptr() == sa.untyped_storage().data_ptr()) == aligned
     y = experts._mm_fp8_per_expert(a, sa, w, sw, counts, fast_accum=True)
     ref = torch.cat([(a[s:t].double() * sa[s:t, None].double()) @ (w[e].double() * sw[e][:, None].double()).t()
                      for e, (s, t) in enumerate(zip(starts, starts[1:]))])
