@@ -20,7 +20,10 @@ TE's linears get is_first_microbatch=False (Megatron's TE wrappers pass True to 
 after set_is_first_microbatch, False after it), so TE reuses its cached FP8 weights, as fp8a2a's
 FP8 experts reuse theirs; gradients are set to None before every timed call, outside the timed
 region, for every row alike (as Megatron's DDP leaves .grad after each backward). The headline
-(fwd_bwd_ms, ratio) is that cached per-micro-batch step. Weight quantization per optimizer step is
+(fwd_bwd_ms, ratio) is that cached per-micro-batch step, timed from an idle GPU. Each iteration also
+times BURST cached steps launched back to back, no sync between them (back_to_back_ms and its
+per-run ratio): as a training loop runs its micro-batches, the host's launches up to the dispatch's
+sync then overlap the previous step's device work. Weight quantization per optimizer step is
 measured in the same run, the same way for both sides: in every iteration each row also runs a
 step's first micro-batch (TE: set_is_first_microbatch, so it recasts; fp8a2a: that row's cached FP8
 weights dropped, so its forward rebuilds them) right after its cached step; quant/step is the
@@ -54,6 +57,7 @@ from fp8a2a.megatron.standalone import build_layer, fp8_context, with_portable_r
 BASELINE = "alltoall + TE FP8 blockwise"
 TARGET = 1.15  # fp8_experts_spec / FP8GroupedMLP at 256 experts
 MICRO_BATCHES = (1, 8, 32)
+BURST = 3  # cached steps per back-to-back burst
 OPTIONS = {"": {}, " fp8_dgrad": {"fp8_dgrad": True}, " fp8_dgrad+wgrad": {"fp8_dgrad": True, "fp8_wgrad": True}}
 # name: (dispatcher, experts: te | local | fp8 (fp8_experts_spec), TE recipe, fp8a2a options)
 VARIANTS = {
@@ -208,11 +212,29 @@ def timed_call(v, cuda, first=False, count=False):
     return timed_ms(v.step, cuda)
 
 
+def timed_burst(v, cuda, n=BURST):
+    """ms per step of n cached steps launched back to back, as a training loop runs the micro-batches
+    after a step's first: no sync between them (prepare between them sets gradients to None, host
+    work only), so the host's launches up to the dispatch's sync overlap the previous step's device
+    work, as they overlap the layers before it in a model."""
+    if v.prepare is not None:
+        v.prepare()
+
+    def burst():
+        for i in range(n):
+            if i and v.prepare is not None:
+                v.prepare()
+            v.step()
+    return timed_ms(burst, cuda) / n
+
+
 def time_group(variants, iters, warmup, cuda):
     """({name: [ms per cached call]}, {name: [first micro-batch ms - cached ms, per iteration]},
-    {name: error}): fwd+bwd, the variants interleaved in rotating order, each row's first-micro-batch
-    call right after its cached one; a variant that raises is dropped from the group with its error."""
-    times, quant, failed = {v.name: [] for v in variants}, {v.name: [] for v in variants}, {}
+    {name: [ms per step of a back-to-back burst]}, {name: error}): fwd+bwd, the variants interleaved
+    in rotating order, each row's first-micro-batch call right after its cached one, then its burst;
+    a variant that raises is dropped from the group with its error."""
+    times, quant, bursts = ({v.name: [] for v in variants} for _ in range(3))
+    failed = {}
     for it in range(warmup + iters):
         live = [v for v in variants if v.name not in failed]
         shift = it % max(1, len(live))
@@ -220,15 +242,17 @@ def time_group(variants, iters, warmup, cuda):
             try:
                 ms = timed_call(v, cuda, count=it >= warmup)
                 first_ms = timed_call(v, cuda, first=True) if v.first is not None else ms
+                burst_ms = timed_burst(v, cuda)
             except Exception as e:  # noqa: BLE001  (one row fails, the table goes on)
                 failed[v.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             else:
                 if it >= warmup:
                     times[v.name].append(ms)
                     quant[v.name].append(first_ms - ms)
+                    bursts[v.name].append(burst_ms)
             if v.prepare is not None:  # its gradients freed before the next row runs: the rows timed
                 v.prepare()            # together do not all hold theirs (32 experts: 2.8 GB a row)
-    return times, quant, failed
+    return times, quant, bursts, failed
 
 
 def refresh_ms(v, cuda, fwd_bwd_ms, n=3):
@@ -306,17 +330,21 @@ def profile_row(v, steps=1):
 
 
 def summarize(v, runs):
-    """runs: [(times, quant, failed)] of time_group. fwd_bwd_ms: the cached per-micro-batch step;
-    refresh_ms: weight quantization per optimizer step (median over runs of the per-run median of the
-    paired first-micro-batch minus cached differences, floored at 0), both from the same calls."""
-    fails = [f[v.name] for _, _, f in runs if v.name in f]
+    """runs: [(times, quant, bursts, failed)] of time_group. fwd_bwd_ms: the cached per-micro-batch
+    step; refresh_ms: weight quantization per optimizer step (median over runs of the per-run median of
+    the paired first-micro-batch minus cached differences, floored at 0), both from the same calls;
+    back_to_back_ms: the cached step in back-to-back bursts (timed_burst)."""
+    fails = [f[v.name] for *_, f in runs if v.name in f]
     if fails:
         return {"error": fails[0]}
-    meds = [statistics.median(t[v.name]) for t, _, _ in runs]
-    qmeds = [statistics.median(q[v.name]) for _, q, _ in runs]
+    meds = [statistics.median(t[v.name]) for t, *_ in runs]
+    qmeds = [statistics.median(q[v.name]) for _, q, *_ in runs]
+    bmeds = [statistics.median(b[v.name]) for _, _, b, _ in runs]
     r = {"fwd_bwd_ms": statistics.median(meds), "run_medians_ms": meds, "runs_min_ms": min(meds),
-         "runs_max_ms": max(meds), "iter_min_ms": min(min(t[v.name]) for t, _, _ in runs),
-         "iter_max_ms": max(max(t[v.name]) for t, _, _ in runs), "_runs": [t[v.name] for t, _, _ in runs],
+         "runs_max_ms": max(meds), "iter_min_ms": min(min(t[v.name]) for t, *_ in runs),
+         "iter_max_ms": max(max(t[v.name]) for t, *_ in runs), "_runs": [t[v.name] for t, *_ in runs],
+         "back_to_back_ms": statistics.median(bmeds), "back_to_back_run_medians_ms": bmeds,
+         "_bursts": [b[v.name] for _, _, b, _ in runs],
          "refresh_ms": max(0.0, statistics.median(qmeds)) if v.first is not None else 0.0,
          "refresh_run_medians_ms": qmeds if v.first is not None else [], "te_recast_calls": v.recast_calls}
     r["step_ms"] = {str(n): r["fwd_bwd_ms"] + r["refresh_ms"] / n for n in MICRO_BATCHES}
@@ -364,11 +392,13 @@ def run_shape(name, shape, args, cuda):
             base_name = "FP8GroupedMLP on Dispatcher" + vname[len(SPEC):] if vname.startswith(SPEC) else None
         base = rows.get(base_name) if base_name else None
         if "error" not in r and base and "error" not in base:
-            r["ratio"] = statistics.median(statistics.median(a) / statistics.median(b)
-                                           for a, b in zip(r["_runs"], base["_runs"]))
+            for key, runs_key in (("ratio", "_runs"), ("back_to_back_ratio", "_bursts")):
+                per_run = [statistics.median(a) / statistics.median(b) for a, b in zip(r[runs_key], base[runs_key])]
+                r[key], r[key + "_min"], r[key + "_max"] = statistics.median(per_run), min(per_run), max(per_run)
             r["ratio_vs"] = base_name
     for r in rows.values():
         r.pop("_runs", None)
+        r.pop("_bursts", None)
     del keep, groups
     if cuda:
         torch.cuda.empty_cache()
@@ -384,7 +414,8 @@ def format_table(res):
     for s in res["shapes"]:
         out.append(f"\n## {s['shape']} (hidden {s['hidden']}, ffn {s['ffn']}), fwd+bwd ms")
         out.append(f"{'variant':<48} {'median':>8} {'runs min-max':>15} {'ratio':>7} {'quant/step':>10} "
-                   + " ".join(f"{'step/' + str(n):>8}" for n in MICRO_BATCHES))
+                   + " ".join(f"{'step/' + str(n):>8}" for n in MICRO_BATCHES)
+                   + f" {'b2b':>8} {'b2b ratio [min-max]':>21}")
         for name, r in s["rows"].items():
             if "error" in r:
                 out.append(f"{name:<48} {r['error']}")
@@ -392,7 +423,10 @@ def format_table(res):
             st = r.get("step_ms", {})
             out.append(f"{name:<48} {fmt(r['fwd_bwd_ms']):>8} {fmt(r['runs_min_ms']) + '-' + fmt(r['runs_max_ms']):>15} "
                        f"{fmt(r.get('ratio'), '.3f'):>7} {fmt(r.get('refresh_ms')):>10} "
-                       + " ".join(f"{fmt(st.get(str(n))):>8}" for n in MICRO_BATCHES))
+                       + " ".join(f"{fmt(st.get(str(n))):>8}" for n in MICRO_BATCHES)
+                       + f" {fmt(r.get('back_to_back_ms')):>8} "
+                       + (f"{r['back_to_back_ratio']:.3f} [{r['back_to_back_ratio_min']:.3f}-"
+                          f"{r['back_to_back_ratio_max']:.3f}]" if "back_to_back_ratio" in r else "-").rjust(21))
     for s in res["shapes"]:
         profiled = {n: r["profile"] for n, r in s["rows"].items() if r.get("profile")}
         if profiled:
@@ -423,7 +457,8 @@ def format_table(res):
                f"grads set to None outside the timed region, every row alike); quant/step: a step's first "
                f"micro-batch minus the cached one, paired per iteration in the same run (TE: after "
                f"set_is_first_microbatch; fp8a2a: its cached FP8 weights dropped); step/n: fwd+bwd + "
-               f"quant/step / n micro-batches.")
+               f"quant/step / n micro-batches; b2b: ms per cached step of {BURST} launched back to back "
+               f"(no sync between them, as a training loop runs its micro-batches), its ratio per run.")
     return "\n".join(out)
 
 

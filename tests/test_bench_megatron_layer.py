@@ -28,6 +28,11 @@ def test_bench_megatron_layer_cpu(tmp_path):
             assert "error" not in row, (name, row)
             assert len(row["run_medians_ms"]) == 2 and row["runs_min_ms"] <= row["fwd_bwd_ms"] <= row["runs_max_ms"]
             assert set(row["step_ms"]) == {"1", "8", "32"} and row["refresh_ms"] >= 0
+            bursts = row["back_to_back_run_medians_ms"]  # the back-to-back bursts: one median per run
+            assert len(bursts) == 2 and min(bursts) <= row["back_to_back_ms"] <= max(bursts) and min(bursts) > 0
+            if "ratio" in row:
+                assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+                assert row["back_to_back_ratio_min"] <= row["back_to_back_ratio"] <= row["back_to_back_ratio_max"]
     for name, row in big.items():  # fp8_experts_spec against FP8GroupedMLP with the same options
         assert (row.get("ratio_vs") or "").startswith("FP8GroupedMLP") == name.startswith("fp8_alltoall"), name
     assert table["fp8_alltoall row + SequentialMLP"]["refresh_ms"] == 0  # nothing cached: BF16 experts
