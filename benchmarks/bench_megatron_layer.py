@@ -213,19 +213,29 @@ def timed_call(v, cuda, first=False, count=False):
 
 
 def timed_burst(v, cuda, n=BURST):
-    """ms per step of n cached steps launched back to back, as a training loop runs the micro-batches
-    after a step's first: no sync between them (prepare between them sets gradients to None, host
-    work only), so the host's launches up to the dispatch's sync overlap the previous step's device
-    work, as they overlap the layers before it in a model."""
-    if v.prepare is not None:
-        v.prepare()
-
-    def burst():
-        for i in range(n):
-            if i and v.prepare is not None:
-                v.prepare()
-            v.step()
-    return timed_ms(burst, cuda) / n
+    """ms per step of n cached steps launched back to back behind one untimed step, as a training loop
+    runs the micro-batches after a step's first: no sync between them (prepare before each sets the
+    gradients to None, host work only), so the host's launches up to the dispatch's sync overlap the
+    previous step's device work, as they overlap the layers before it in a model. The events time
+    from the point where the host launches the first timed step, the device still running the one before."""
+    def one():
+        if v.prepare is not None:
+            v.prepare()
+        v.step()
+    sync(cuda)
+    one()  # untimed: the first of the timed steps is launched behind it, as the rest
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            one()
+        return (time.perf_counter() - t0) * 1e3 / n
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        one()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / n
 
 
 def time_group(variants, iters, warmup, cuda):
