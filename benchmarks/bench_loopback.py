@@ -25,7 +25,9 @@ top-8), over links none and pcie (--links), parallel_state at expert_model_paral
 
   alltoall + TE FP8 blockwise      MoEAlltoAllTokenDispatcher (moe_permute_fusion) + TEGroupedMLP
                                    under TE's blockwise FP8 recipe (the baseline of the ratios)
-  fp8_alltoall + fp8_experts_spec  fp8a2a's dispatcher + FP8 experts, default options
+  fp8_alltoall + fp8_experts_spec  fp8a2a's dispatcher + FP8 experts, default options (no recipe: BF16
+                                   gradient GEMMs)
+  ... fp8_dgrad+wgrad              the same with the FP8 dgrad and wgrad (the default under a TE FP8 recipe)
 
 Layers and timing are benchmarks/bench_megatron_layer.py's: one router for both rows, TE's FP8
 weights cast in the first micro-batch and cached after it (quant/step, both rows alike: a step's
@@ -151,7 +153,9 @@ LAYER_LINKS = ["none", "pcie"]
 # name: (dispatcher, experts: te | local | fp8, TE recipe, fp8a2a options), bench_megatron_layer's rows;
 # the first is the baseline of the ratios
 LAYER_ROWS = {"alltoall + TE FP8 blockwise": ("alltoall", "te", "blockwise", {}),
-              "fp8_alltoall + fp8_experts_spec": ("fp8_alltoall", "fp8", None, {})}
+              "fp8_alltoall + fp8_experts_spec": ("fp8_alltoall", "fp8", None, {}),
+              "fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad": ("fp8_alltoall", "fp8", None,
+                                                                  {"fp8_dgrad": True, "fp8_wgrad": True})}
 CPU_LAYER_ROWS = {"alltoall + SequentialMLP": ("alltoall", "local", None, {}),
                   "fp8_alltoall + fp8_experts_spec": ("fp8_alltoall", "fp8", None, {})}
 CPU_LAYER_SHAPE = dict(tokens=64, hidden=128, ffn=64, experts=16, topk=4)  # --cpu: functional only
