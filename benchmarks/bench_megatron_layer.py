@@ -212,12 +212,14 @@ def timed_call(v, cuda, first=False, count=False):
     return timed_ms(v.step, cuda)
 
 
-def timed_burst(v, cuda, n=BURST):
+def timed_burst(v, cuda, n=BURST, count=False):
     """ms per step of n cached steps launched back to back behind one untimed step, as a training loop
     runs the micro-batches after a step's first: no sync between them (prepare before each sets the
     gradients to None, host work only), so the host's launches up to the dispatch's sync overlap the
     previous step's device work, as they overlap the layers before it in a model. The events time
-    from the point where the host launches the first timed step, the device still running the one before."""
+    from the point where the host launches the first timed step, the device still running the one before.
+    count: the timed steps are counted in v.recast_calls where a step after prepare would recast TE's
+    weights, checked after the burst (outside the timed region: every step of it starts that way)."""
     def one():
         if v.prepare is not None:
             v.prepare()
@@ -228,14 +230,21 @@ def timed_burst(v, cuda, n=BURST):
         t0 = time.perf_counter()
         for _ in range(n):
             one()
-        return (time.perf_counter() - t0) * 1e3 / n
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        one()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
+        ms = (time.perf_counter() - t0) * 1e3 / n
+    else:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            one()
+        b.record()
+        b.synchronize()
+        ms = a.elapsed_time(b) / n
+    if count and v.recasts is not None:
+        if v.prepare is not None:
+            v.prepare()
+        if v.recasts():
+            v.recast_calls += n
+    return ms
 
 
 def time_group(variants, iters, warmup, cuda):
@@ -252,7 +261,7 @@ def time_group(variants, iters, warmup, cuda):
             try:
                 ms = timed_call(v, cuda, count=it >= warmup)
                 first_ms = timed_call(v, cuda, first=True) if v.first is not None else ms
-                burst_ms = timed_burst(v, cuda)
+                burst_ms = timed_burst(v, cuda, count=it >= warmup)
             except Exception as e:  # noqa: BLE001  (one row fails, the table goes on)
                 failed[v.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             else:

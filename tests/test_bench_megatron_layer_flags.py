@@ -61,20 +61,25 @@ def test_te_rows_timed_cached_and_grads_cleared_outside(monkeypatch):
         return real_timed_ms(fn, cuda)
     monkeypatch.setattr(bm, "timed_ms", spy)
     warmup, iters = 2, 3
-    times, quant, failed = bm.time_group([v], iters, warmup, cuda=False)
-    assert not failed and len(times["te"]) == iters and len(quant["te"]) == iters
+    times, quant, bursts, failed = bm.time_group([v], iters, warmup, cuda=False)
+    assert not failed and len(times["te"]) == iters and len(quant["te"]) == iters and len(bursts["te"]) == iters
     assert layer.experts.weight.grad is None  # freed after the row's turn: rows timed together hold none
     calls = [e for e in log if e[0] == "call"]
-    assert len(calls) == 2 * (warmup + iters)  # a cached call and a first micro-batch per iteration
+    # per iteration: a cached call, a first micro-batch, then a burst (one untimed step, BURST timed)
+    per_it = 3 + bm.BURST
+    assert len(calls) == per_it * (warmup + iters)
     # iteration 0's cached call is the layer's very first (Megatron starts True: it casts, in warm-up);
-    # after it the cached calls pass False, the first-micro-batch calls True, alternating
+    # after it the cached calls pass False, the first-micro-batch calls True, every burst step False
     flags = [c[1] for c in calls]
     assert flags[0] is True and flags[1] is True
-    assert flags[2::2] == [False] * (warmup + iters - 1) and flags[3::2] == [True] * (warmup + iters - 1)
-    assert v.recast_calls == 0  # no timed (post-warm-up) cached call recast
+    assert flags[per_it::per_it] == [False] * (warmup + iters - 1)
+    assert flags[1::per_it] == [True] * (warmup + iters)
+    assert all(flags[i * per_it + j] is False for i in range(warmup + iters) for j in range(2, per_it))
+    assert v.recast_calls == 0  # no timed (post-warm-up) cached call recast, in a burst either
     assert all(c[2] for c in calls)  # .grad was None at every forward: cleared before each call, untimed
-    r = bm.summarize(v, [(times, quant, failed)])
+    r = bm.summarize(v, [(times, quant, bursts, failed)])
     assert r["te_recast_calls"] == 0 and r["refresh_ms"] >= 0 and set(r["step_ms"]) == {"1", "8", "32"}
+    assert r["back_to_back_ms"] > 0 and len(r["back_to_back_run_medians_ms"]) == 1
 
 
 def test_recast_counted_when_a_timed_call_would_recast():
@@ -83,7 +88,7 @@ def test_recast_counted_when_a_timed_call_would_recast():
     v = bm.Variant("te", lambda: layer(torch.ones(1, 4)), recasts=lambda: any(bm.first_microbatch_flags(layer)))
     v.prepare = layer.set_is_first_microbatch  # a harness that reset the flag before every timed call
     bm.time_group([v], 2, 1, cuda=False)
-    assert v.recast_calls == 2
+    assert v.recast_calls == 2 * (1 + bm.BURST)  # each timed iteration's cached call and burst steps
 
 
 def test_profile_runs_and_wgrad_rate_in_the_table():
