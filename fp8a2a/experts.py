@@ -67,8 +67,6 @@ BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
 _DENSE_REFUSED = set()  # (device, N, K) where torch._scaled_mm refused the per-expert GEMMs
-_DENSE_MIN_ROWS = 32  # experts of fewer rows run on a window of this many (a one-row GEMM was refused on an H100,
-# though at a misaligned scale offset, which may have been the cause: kept until a GPU run says)
 _INT32_MAX = 2 ** 31 - 1  # the GEMMs' row offsets are int32
 
 
@@ -239,14 +237,9 @@ def _mm_fp8_per_expert(a, sa, wq, sw, counts, fast_accum):
     start = 0
     try:
         for e, (n, sa_e) in enumerate(zip(counts, _expert_row_scales(sa, counts))):
-            if n >= _DENSE_MIN_ROWS:
+            if n:  # (one-row experts too, once their scales start on 16 bytes)
                 torch._scaled_mm(a[start:start + n], wq[e].t(), sa_e, sw[e:e + 1], out_dtype=torch.bfloat16,
                                  use_fast_accum=fast_accum, out=out[start:start + n])
-            elif n:  # a window of _DENSE_MIN_ROWS rows around the expert's (its neighbours' results dropped)
-                lo = max(0, min(start, M - _DENSE_MIN_ROWS))
-                win = torch._scaled_mm(a[lo:lo + _DENSE_MIN_ROWS], wq[e].t(), sa[lo:lo + _DENSE_MIN_ROWS, None].clone(),
-                                       sw[e:e + 1], out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-                out[start:start + n] = win[start - lo:start - lo + n]
             start += n
     except torch.OutOfMemoryError:
         raise
@@ -259,9 +252,8 @@ def _mm_fp8_per_expert(a, sa, wq, sw, counts, fast_accum):
 
 def _dense_per_expert(tuning, counts, device, M, N, K) -> bool:
     """Whether _mm_fp8 runs one dense GEMM per expert: counts on the host, outside graph capture, at
-    least tuning.dense_min_rows_per_expert rows per expert on average (and a window's worth), a shape
-    torch has not refused."""
-    return (counts is not None and M >= max(tuning.dense_min_rows_per_expert * len(counts), _DENSE_MIN_ROWS)
+    least tuning.dense_min_rows_per_expert rows per expert on average, a shape torch has not refused."""
+    return (counts is not None and M >= tuning.dense_min_rows_per_expert * len(counts)
             and (device, N, K) not in _DENSE_REFUSED
             and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
 

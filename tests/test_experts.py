@@ -757,24 +757,22 @@ def test_forward_with_matches_functional_call():
 
 def test_dense_per_expert_routing(monkeypatch):
     """One dense GEMM per expert only with host counts, from dense_min_rows_per_expert rows per expert
-    on average and a window's worth of rows, for a shape torch has not refused."""
+    on average, for a shape torch has not refused."""
     cpu, cfg = torch.device("cpu"), ExpertsConfig()
     assert experts._dense_per_expert(cfg, (4096,) * 8, cpu, 4096 * 8, 7168, 2048)
     assert not experts._dense_per_expert(cfg, None, cpu, 4096 * 8, 7168, 2048)  # device counts
     assert not experts._dense_per_expert(cfg, (4095,) * 8, cpu, 4095 * 8, 7168, 2048)
-    assert experts._dense_per_expert(ExpertsConfig(dense_min_rows_per_expert=0), (40, 0), cpu, 40, 64, 48)
-    assert not experts._dense_per_expert(ExpertsConfig(dense_min_rows_per_expert=0), (20, 0), cpu, 20, 64, 48)
+    assert experts._dense_per_expert(ExpertsConfig(dense_min_rows_per_expert=0), (1, 0), cpu, 1, 64, 48)
     monkeypatch.setattr(experts, "_DENSE_REFUSED", {(cpu, 7168, 2048)})
     assert not experts._dense_per_expert(cfg, (4096,) * 8, cpu, 4096 * 8, 7168, 2048)
 
 
 @pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7], [32, 0, 64, 16]])
-def test_dense_per_expert_scales_and_windows(counts):
+def test_dense_per_expert_scales(counts):
     """The per-expert dense GEMMs on CPU (torch._scaled_mm runs there too): every expert's row
     scales start on 16 bytes (cuBLASLt refused unaligned ones on an H100; where every expert's
-    already does, they are views, no copy) and hold its own values, and experts of fewer than
-    _DENSE_MIN_ROWS rows (first, inner, last; an input smaller than the window) come out of their
-    windows as a float64 product per expert does."""
+    already does, they are views, no copy) and hold its own values, and every expert, one-row ones
+    too, comes out as a float64 product per expert does."""
     torch.manual_seed(31)
     M, E, N, K = sum(counts), len(counts), 64, 48
     a = torch.randn(M, K).to(torch.float8_e4m3fn)
@@ -908,7 +906,7 @@ def test_gpu_mlp_vs_reference(backend, shape):
 def test_gpu_dense_per_expert(fp8_dgrad, monkeypatch):
     """Host counts from dense_min_rows_per_expert rows per expert on: the forward and FP8 dgrad GEMMs
     run one dense torch._scaled_mm per expert with rows (experts starting off 16 bytes of the row scales
-    and one of one row, run on a window of rows, among them) and give
+    and one of one row among them) and give
     the reference's output and gradients, and the grouped GEMMs' (device counts) up to accumulation
     order; no fallback taken."""
     rows, scaled_mm = [], torch._scaled_mm
@@ -917,8 +915,7 @@ def test_gpu_dense_per_expert(fp8_dgrad, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a refused call would warn and fall back
         got = _run_mlp("scaled_grouped_mm", 2048, 768, fp8_dgrad=fp8_dgrad, config=cfg, counts_on="cpu")
-    windows = [max(n, experts._DENSE_MIN_ROWS) for n in GPU_TPE if n]  # the 1-row expert: a window of rows
-    assert rows == windows * (4 if fp8_dgrad else 2) and not experts._DENSE_REFUSED
+    assert rows == [n for n in GPU_TPE if n] * (4 if fp8_dgrad else 2) and not experts._DENSE_REFUSED
     check(MLP_NAMES, got, _run_mlp("reference", 2048, 768, fp8_dgrad=fp8_dgrad), TOL["scaled_grouped_mm"])
     check(MLP_NAMES, got, _run_mlp("scaled_grouped_mm", 2048, 768, fp8_dgrad=fp8_dgrad, config=cfg), 1e-2)
 
