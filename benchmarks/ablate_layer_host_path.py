@@ -135,7 +135,7 @@ def main(argv=None):
         for i in args.shapes.split(","):
             name, shape = shapes[int(i)]
             vs = run_shape(shape, cuda)
-            runs = [bm.time_group(vs, args.iters, 3 if cuda else 1, cuda)[0] for _ in range(args.repeat)]
+            runs = [bm.time_group(vs, args.iters, 3 if cuda else 1, cuda, burst=0)[0] for _ in range(args.repeat)]
             print(f"\n## {name}: {ROW}, fwd+bwd ms, median [min-max] of {args.repeat} runs; against "
                   f"'current' per run (> 1: the alternative is slower){'; TE FP8 blockwise for scale' if cuda else ''}")
             out[name] = rows = {}

@@ -29,7 +29,8 @@ top-8), over links none and pcie (--links), parallel_state at expert_model_paral
                                    gradient GEMMs)
   ... fp8_dgrad+wgrad              the same with the FP8 dgrad and wgrad (the default under a TE FP8 recipe)
 
-Layers and timing are benchmarks/bench_megatron_layer.py's: one router for both rows, TE's FP8
+Layers and timing are benchmarks/bench_megatron_layer.py's (each step from an idle GPU; no
+back-to-back bursts here): one router for both rows, TE's FP8
 weights cast in the first micro-batch and cached after it (quant/step, both rows alike: a step's
 first micro-batch minus a plain one; TE after set_is_first_microbatch, fp8a2a with its cached FP8
 weights dropped), grads set to None outside the timed region, CUDA events around fwd+bwd, the rows
@@ -332,15 +333,16 @@ def format_layer(res):
     if "error" in res:
         return "\n".join(out + [f"unavailable: {res['error']}"])
     links = res["links"]
-    out.append(f"{'row':<34}{'MB/step':>9}" + "".join(f"{lk + ' ms':>24}" for lk in links)
+    w = max([34] + [len(n) + 2 for n in res["rows"]])
+    out.append(f"{'row':<{w}}{'MB/step':>9}" + "".join(f"{lk + ' ms':>24}" for lk in links)
                + "".join(f"{'pred ' + lk:>11}" for lk in links if lk != "none") + f"{'quant/step':>11}")
     for name, r in res["rows"].items():
         if "error" in r:
-            out.append(f"{name:<34}unavailable: {r['error']}")
+            out.append(f"{name:<{w}}unavailable: {r['error']}")
             continue
         pred = r.get("predicted_ms", {})
         q = r.get("quant_per_step_ms")
-        out.append(f"{name:<34}{r['link_bytes'] / 1e6:>9.{1 if r['link_bytes'] > 1e7 else 3}f}"
+        out.append(f"{name:<{w}}{r['link_bytes'] / 1e6:>9.{1 if r['link_bytes'] > 1e7 else 3}f}"
                    + "".join(f"{lb._span(r['fwd_bwd_ms'].get(lk)):>24}" for lk in links)
                    + "".join(f"{(format(pred[lk], '.2f') if lk in pred else '-'):>11}" for lk in links if lk != "none")
                    + f"{('-' if q is None else format(q, '.2f')):>11}")

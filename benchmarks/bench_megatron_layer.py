@@ -20,16 +20,18 @@ TE's linears get is_first_microbatch=False (Megatron's TE wrappers pass True to 
 after set_is_first_microbatch, False after it), so TE reuses its cached FP8 weights, as fp8a2a's
 FP8 experts reuse theirs; gradients are set to None before every timed call, outside the timed
 region, for every row alike (as Megatron's DDP leaves .grad after each backward). The headline
-(fwd_bwd_ms, ratio) is that cached per-micro-batch step, timed from an idle GPU. Each iteration also
-times BURST cached steps launched back to back, no sync between them (back_to_back_ms and its
-per-run ratio): as a training loop runs its micro-batches, the host's launches up to the dispatch's
-sync then overlap the previous step's device work. Weight quantization per optimizer step is
+(fwd_bwd_ms, ratio) is that cached per-micro-batch step, timed from an idle GPU. In the 8- and
+32-expert tables each iteration also times --burst cached steps launched back to back, no sync
+between them (back_to_back_ms and its per-run ratio): as a training loop runs its micro-batches, the
+host's launches up to the dispatch's sync then overlap the previous step's device work; there the
+gradients are set to None between the steps, inside the timing (host work only, the same parameters
+on both sides). Weight quantization per optimizer step is
 measured in the same run, the same way for both sides: in every iteration each row also runs a
 step's first micro-batch (TE: set_is_first_microbatch, so it recasts; fp8a2a: that row's cached FP8
 weights dropped, so its forward rebuilds them) right after its cached step; quant/step is the
 median of those paired differences, reported apart and folded in at 1, 8 and 32 micro-batches per
-optimizer step. te_recast_calls counts timed cached calls in which a TE linear would have recast
-(0 expected).
+optimizer step. te_recast_calls counts timed cached steps (bursts included) in which a TE linear that
+runs would have recast (0 expected; the FP8 experts' own TE linears never run).
 
 --profile: after the timing, --repeat cached steps of every row under torch.profiler, one after
 another (fp8a2a/bench/costs.py): the busy device time of each, and of the first its split by kernel class
@@ -57,7 +59,7 @@ from fp8a2a.megatron.standalone import build_layer, fp8_context, with_portable_r
 BASELINE = "alltoall + TE FP8 blockwise"
 TARGET = 1.15  # fp8_experts_spec / FP8GroupedMLP at 256 experts
 MICRO_BATCHES = (1, 8, 32)
-BURST = 3  # cached steps per back-to-back burst
+BURST = 3  # cached steps per back-to-back burst (--burst)
 OPTIONS = {"": {}, " fp8_dgrad": {"fp8_dgrad": True}, " fp8_dgrad+wgrad": {"fp8_dgrad": True, "fp8_wgrad": True}}
 # name: (dispatcher, experts: te | local | fp8 (fp8_experts_spec), TE recipe, fp8a2a options)
 VARIANTS = {
@@ -81,8 +83,9 @@ CPU_SHAPES = {"64 tok x 4 experts top-2": (64, 4, 2, 128, 64, "table"),
 
 
 class Variant:
-    """A row: `step` (forward + backward, the only thing timed); `prepare` (untimed, before every
-    timed call and after each row's turn: the gradients set to None, every row alike); `first` (untimed: makes the next step a
+    """A row: `step` (forward + backward, the only thing timed); `prepare` (before every step and
+    after each row's turn, untimed but between a burst's steps: the gradients set to None, every row
+    alike); `first` (untimed: makes the next step a
     step's first micro-batch, which recasts or rebuilds the cached FP8 weights; None: nothing
     cached); `recasts` (whether the next call would recast TE's FP8 weights; None: no TE linears)."""
 
@@ -90,12 +93,6 @@ class Variant:
         self.name, self.step, self.prepare, self.first, self.cfg = name, step, prepare, first, cfg
         self.recasts = recasts
         self.recast_calls = 0  # timed cached calls (after warm-up) in which TE would have recast
-
-
-def first_microbatch_flags(module):
-    """is_first_microbatch of every submodule that has one (Megatron's TE linears): True makes its
-    next call pass is_first_microbatch=True to TE (cast and cache the FP8 weights), False reuse the cache."""
-    return [m.is_first_microbatch for m in module.modules() if hasattr(m, "is_first_microbatch")]
 
 
 def make_layer(shape, dispatcher, experts, recipe, opts, cuda, ep=1):
@@ -141,7 +138,11 @@ def layer_variant(name, layer, cfg, x, gy):
     if hasattr(layer.experts, "_fp8a2a_impl"):  # FP8 experts: their cached weights dropped, rebuilt by the forward
         firsts.append(lambda: drop_caches(layer.experts))
     first = (lambda: [f() for f in firsts]) if firsts else None
-    recasts = (lambda: any(first_microbatch_flags(layer))) if first_microbatch_flags(layer) else None
+    # the TE linears that run (is_first_microbatch True: the next call casts and caches its FP8
+    # weights); the FP8 experts keep Megatron's linear_fc1 / fc2 but never call them
+    idle = {id(m) for m in layer.experts.modules()} if hasattr(layer.experts, "_fp8a2a_impl") else set()
+    te = [m for m in layer.modules() if hasattr(m, "is_first_microbatch") and id(m) not in idle]
+    recasts = (lambda: any(m.is_first_microbatch for m in te)) if te else None
     return Variant(name, step, prepare, first, cfg, recasts)
 
 
@@ -217,7 +218,8 @@ def timed_burst(v, cuda, n=BURST, count=False):
     runs the micro-batches after a step's first: no sync between them (prepare before each sets the
     gradients to None, host work only), so the host's launches up to the dispatch's sync overlap the
     previous step's device work, as they overlap the layers before it in a model. The events time
-    from the point where the host launches the first timed step, the device still running the one before.
+    from the end of the untimed step on the device (or from the first timed launch, where the device
+    had already finished it) to the end of the last.
     count: the timed steps are counted in v.recast_calls where a step after prepare would recast TE's
     weights, checked after the burst (outside the timed region: every step of it starts that way)."""
     def one():
@@ -247,11 +249,11 @@ def timed_burst(v, cuda, n=BURST, count=False):
     return ms
 
 
-def time_group(variants, iters, warmup, cuda):
+def time_group(variants, iters, warmup, cuda, burst=BURST):
     """({name: [ms per cached call]}, {name: [first micro-batch ms - cached ms, per iteration]},
-    {name: [ms per step of a back-to-back burst]}, {name: error}): fwd+bwd, the variants interleaved
-    in rotating order, each row's first-micro-batch call right after its cached one, then its burst;
-    a variant that raises is dropped from the group with its error."""
+    {name: [ms per step of a back-to-back burst of `burst` steps]: empty for burst=0}, {name: error}):
+    fwd+bwd, the variants interleaved in rotating order, each row's first-micro-batch call right after
+    its cached one, then its burst; a variant that raises is dropped from the group with its error."""
     times, quant, bursts = ({v.name: [] for v in variants} for _ in range(3))
     failed = {}
     for it in range(warmup + iters):
@@ -261,14 +263,15 @@ def time_group(variants, iters, warmup, cuda):
             try:
                 ms = timed_call(v, cuda, count=it >= warmup)
                 first_ms = timed_call(v, cuda, first=True) if v.first is not None else ms
-                burst_ms = timed_burst(v, cuda, count=it >= warmup)
+                burst_ms = timed_burst(v, cuda, burst, count=it >= warmup) if burst else None
             except Exception as e:  # noqa: BLE001  (one row fails, the table goes on)
                 failed[v.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             else:
                 if it >= warmup:
                     times[v.name].append(ms)
                     quant[v.name].append(first_ms - ms)
-                    bursts[v.name].append(burst_ms)
+                    if burst:
+                        bursts[v.name].append(burst_ms)
             if v.prepare is not None:  # its gradients freed before the next row runs: the rows timed
                 v.prepare()            # together do not all hold theirs (32 experts: 2.8 GB a row)
     return times, quant, bursts, failed
@@ -358,12 +361,12 @@ def summarize(v, runs):
         return {"error": fails[0]}
     meds = [statistics.median(t[v.name]) for t, *_ in runs]
     qmeds = [statistics.median(q[v.name]) for _, q, *_ in runs]
-    bmeds = [statistics.median(b[v.name]) for _, _, b, _ in runs]
+    bmeds = [statistics.median(b[v.name]) for _, _, b, _ in runs if b[v.name]]
     r = {"fwd_bwd_ms": statistics.median(meds), "run_medians_ms": meds, "runs_min_ms": min(meds),
          "runs_max_ms": max(meds), "iter_min_ms": min(min(t[v.name]) for t, *_ in runs),
          "iter_max_ms": max(max(t[v.name]) for t, *_ in runs), "_runs": [t[v.name] for t, *_ in runs],
-         "back_to_back_ms": statistics.median(bmeds), "back_to_back_run_medians_ms": bmeds,
-         "_bursts": [b[v.name] for _, _, b, _ in runs],
+         **({"back_to_back_ms": statistics.median(bmeds), "back_to_back_run_medians_ms": bmeds,
+             "_bursts": [b[v.name] for _, _, b, _ in runs]} if bmeds else {}),
          "refresh_ms": max(0.0, statistics.median(qmeds)) if v.first is not None else 0.0,
          "refresh_run_medians_ms": qmeds if v.first is not None else [], "te_recast_calls": v.recast_calls}
     r["step_ms"] = {str(n): r["fwd_bwd_ms"] + r["refresh_ms"] / n for n in MICRO_BATCHES}
@@ -384,7 +387,10 @@ def run_shape(name, shape, args, cuda):
             drop_caches(*keep)
             impl = keep[0].experts._fp8a2a_impl
             impl.fp8_dgrad, impl.fp8_wgrad = opts.get("fp8_dgrad", False), opts.get("fp8_wgrad", False)
-        runs = [time_group(vs, iters, args.warmup, cuda) for _ in range(args.repeat)]
+        # no bursts at 256 experts: between steps, inside the timing, the spec row would clear 513
+        # gradients and FP8GroupedMLP 3
+        burst = args.burst if kind == "table" else 0
+        runs = [time_group(vs, iters, args.warmup, cuda, burst) for _ in range(args.repeat)]
         rows.update({v.name: summarize(v, runs) for v in vs})
         for v in vs if args.profile and cuda else ():
             if "error" not in rows[v.name]:
@@ -412,6 +418,8 @@ def run_shape(name, shape, args, cuda):
         base = rows.get(base_name) if base_name else None
         if "error" not in r and base and "error" not in base:
             for key, runs_key in (("ratio", "_runs"), ("back_to_back_ratio", "_bursts")):
+                if runs_key not in r or runs_key not in base:
+                    continue
                 per_run = [statistics.median(a) / statistics.median(b) for a, b in zip(r[runs_key], base[runs_key])]
                 r[key], r[key + "_min"], r[key + "_max"] = statistics.median(per_run), min(per_run), max(per_run)
             r["ratio_vs"] = base_name
@@ -476,8 +484,9 @@ def format_table(res):
                f"grads set to None outside the timed region, every row alike); quant/step: a step's first "
                f"micro-batch minus the cached one, paired per iteration in the same run (TE: after "
                f"set_is_first_microbatch; fp8a2a: its cached FP8 weights dropped); step/n: fwd+bwd + "
-               f"quant/step / n micro-batches; b2b: ms per cached step of {BURST} launched back to back "
-               f"(no sync between them, as a training loop runs its micro-batches), its ratio per run.")
+               f"quant/step / n micro-batches; b2b: ms per cached step of --burst launched back to back "
+               f"(no sync between them, as a training loop runs its micro-batches; grads set to None "
+               f"between them inside the timing), its ratio per run.")
     return "\n".join(out)
 
 
@@ -488,6 +497,8 @@ def main(argv=None):
     ap.add_argument("--big-iters", type=int, default=None, help="same, 256-expert shape (default 10; CPU 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 3; CPU 1)")
     ap.add_argument("--repeat", type=int, default=1, help="time every shape's table this many times")
+    ap.add_argument("--burst", type=int, default=BURST,
+                    help=f"cached steps per back-to-back burst in every iteration (default {BURST}; 0: none)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices of the shapes to run (default all)")
     ap.add_argument("--profile", action="store_true", help="then profile --repeat cached steps of every row (CUDA only)")
     ap.add_argument("--json", default=None, help="write the results here")

@@ -162,7 +162,7 @@ if [[ $mode == *,kernels,* || $mode == *,bench,* ]]; then
   done
 fi
 has() { [[ $mode == *,$1,* || $mode == *,bench,* ]]; }  # a mode given, or `bench` (every benchmark)
-has layer && step bench_megatron_layer 300 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
+has layer && step bench_megatron_layer 450 python3 benchmarks/bench_megatron_layer.py --repeat "$REPEAT" \
   --json "$LOGS/megatron_layer.json" ${LAYER_ARGS:-}
 if has dispatch; then  # the variant groups in processes of their own (bench_dispatch.py VARIANT_GROUPS), then --merge
   parts=() groups=$(python3 benchmarks/bench_dispatch.py --list-groups)

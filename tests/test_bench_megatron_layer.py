@@ -28,10 +28,15 @@ def test_bench_megatron_layer_cpu(tmp_path):
             assert "error" not in row, (name, row)
             assert len(row["run_medians_ms"]) == 2 and row["runs_min_ms"] <= row["fwd_bwd_ms"] <= row["runs_max_ms"]
             assert set(row["step_ms"]) == {"1", "8", "32"} and row["refresh_ms"] >= 0
-            bursts = row["back_to_back_run_medians_ms"]  # the back-to-back bursts: one median per run
-            assert len(bursts) == 2 and min(bursts) <= row["back_to_back_ms"] <= max(bursts) and min(bursts) > 0
             if "ratio" in row:
                 assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
+            if rows is big:  # no bursts at 256 experts (their host work would differ between the rows)
+                assert "back_to_back_ms" not in row and "back_to_back_ratio" not in row
+                continue
+            bursts = row["back_to_back_run_medians_ms"]  # the back-to-back bursts: one median per run
+            assert len(bursts) == 2 and min(bursts) <= row["back_to_back_ms"] <= max(bursts) and min(bursts) > 0
+            assert ("ratio" in row) == ("back_to_back_ratio" in row)
+            if "ratio" in row:
                 assert row["back_to_back_ratio_min"] <= row["back_to_back_ratio"] <= row["back_to_back_ratio_max"]
     for name, row in big.items():  # fp8_experts_spec against FP8GroupedMLP with the same options
         assert (row.get("ratio_vs") or "").startswith("FP8GroupedMLP") == name.startswith("fp8_alltoall"), name

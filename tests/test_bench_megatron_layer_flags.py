@@ -1,7 +1,8 @@
 """benchmarks/bench_megatron_layer.py's timing loop, without a GPU or TE: with a stand-in for
 Megatron's TE linears (is_first_microbatch True after set_is_first_microbatch, passed to TE, then
-False), every timed cached call reuses the cached FP8 weights, only the untimed `first` makes a
-call recast, the gradients are cleared outside the timed step, and the paired quant/step is kept."""
+False), every timed cached call and burst step reuses the cached FP8 weights, only the untimed
+`first` makes a call recast, the gradients are cleared before every step (outside the timing of a
+cached call, between a burst's steps), and the paired quant/step is kept."""
 import os
 import sys
 import types
@@ -43,7 +44,7 @@ class FakeLayer(torch.nn.Module):
         return self.experts(x), None
 
 
-def test_te_rows_timed_cached_and_grads_cleared_outside(monkeypatch):
+def test_te_rows_timed_cached_and_grads_cleared(monkeypatch):
     log = []
     layer = FakeLayer(log)
     cfg = types.SimpleNamespace(fp8=None)  # no TE here: fp8_context is a null context
@@ -53,13 +54,6 @@ def test_te_rows_timed_cached_and_grads_cleared_outside(monkeypatch):
     monkeypatch.setattr(bm, "fp8_context", lambda c: __import__("contextlib").nullcontext())
     v = bm.layer_variant("te", layer, cfg, torch.ones(2, 4), torch.ones(2, 4))
     assert v.first is not None and v.recasts is not None and v.recasts()
-    timed = []
-    real_timed_ms = bm.timed_ms
-
-    def spy(fn, cuda):
-        timed.append(len(log))
-        return real_timed_ms(fn, cuda)
-    monkeypatch.setattr(bm, "timed_ms", spy)
     warmup, iters = 2, 3
     times, quant, bursts, failed = bm.time_group([v], iters, warmup, cuda=False)
     assert not failed and len(times["te"]) == iters and len(quant["te"]) == iters and len(bursts["te"]) == iters
@@ -76,7 +70,7 @@ def test_te_rows_timed_cached_and_grads_cleared_outside(monkeypatch):
     assert flags[1::per_it] == [True] * (warmup + iters)
     assert all(flags[i * per_it + j] is False for i in range(warmup + iters) for j in range(2, per_it))
     assert v.recast_calls == 0  # no timed (post-warm-up) cached call recast, in a burst either
-    assert all(c[2] for c in calls)  # .grad was None at every forward: cleared before each call, untimed
+    assert all(c[2] for c in calls)  # .grad was None at every forward: cleared before each step
     r = bm.summarize(v, [(times, quant, bursts, failed)])
     assert r["te_recast_calls"] == 0 and r["refresh_ms"] >= 0 and set(r["step_ms"]) == {"1", "8", "32"}
     assert r["back_to_back_ms"] > 0 and len(r["back_to_back_run_medians_ms"]) == 1
@@ -85,7 +79,7 @@ def test_te_rows_timed_cached_and_grads_cleared_outside(monkeypatch):
 def test_recast_counted_when_a_timed_call_would_recast():
     log = []
     layer = FakeLayer(log)
-    v = bm.Variant("te", lambda: layer(torch.ones(1, 4)), recasts=lambda: any(bm.first_microbatch_flags(layer)))
+    v = bm.Variant("te", lambda: layer(torch.ones(1, 4)), recasts=lambda: layer.experts.is_first_microbatch)
     v.prepare = layer.set_is_first_microbatch  # a harness that reset the flag before every timed call
     bm.time_group([v], 2, 1, cuda=False)
     assert v.recast_calls == 2 * (1 + bm.BURST)  # each timed iteration's cached call and burst steps
@@ -106,3 +100,28 @@ def test_profile_runs_and_wgrad_rate_in_the_table():
     del prof["cublas_fp8_tflops_runs"], prof["busy_runs_ms"]
     text = bm.format_table({"shapes": [{"shape": "s", "hidden": 7168, "ffn": 2048, "rows": {"r": row}}]})
     assert "cuBLAS FP8 GEMMs" not in text and "profiled steps" not in text
+
+
+def test_fp8_experts_idle_te_linears_not_counted():
+    """The FP8 experts keep Megatron's TE linears but never call them (their is_first_microbatch stays
+    True): they are no recast; the TE linears that run still are."""
+    log = []
+    layer = FakeLayer(log)
+    layer.experts._fp8a2a_impl = object()  # an FP8 experts module: its own TE linear is idle
+    cfg = types.SimpleNamespace(fp8=None)
+    assert bm.layer_variant("fp8", layer, cfg, torch.ones(2, 4), torch.ones(2, 4)).recasts is None
+    layer.router_linear = FakeTELinear(log)  # a TE linear outside the experts, which runs
+    v = bm.layer_variant("fp8", layer, cfg, torch.ones(2, 4), torch.ones(2, 4))
+    assert v.recasts()
+    layer.router_linear.is_first_microbatch = False
+    assert not v.recasts()
+
+
+def test_no_bursts_leaves_out_the_back_to_back_keys():
+    """burst=0 (the 256-expert table): no burst steps run, and summarize reports no back-to-back keys."""
+    log = []
+    v = bm.layer_variant("te", FakeLayer(log), types.SimpleNamespace(fp8=None), torch.ones(2, 4), torch.ones(2, 4))
+    times, quant, bursts, failed = bm.time_group([v], 2, 1, cuda=False, burst=0)
+    assert len([e for e in log if e[0] == "call"]) == 3 and bursts == {"te": []}  # one call per iteration
+    r = bm.summarize(v, [(times, quant, bursts, failed)])
+    assert "back_to_back_ms" not in r and "_bursts" not in r and r["fwd_bwd_ms"] > 0

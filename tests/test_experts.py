@@ -767,7 +767,8 @@ def test_dense_per_expert_routing(monkeypatch):
     assert not experts._dense_per_expert(cfg, (4096,) * 8, cpu, 4096 * 8, 7168, 2048)
 
 
-@pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7], [32, 0, 64, 16]])
+@pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7], [32, 0, 64, 16],
+                                    [0, 1], [1, 1, 1, 1, 1], [0, 0, 1, 0]])
 def test_dense_per_expert_scales(counts):
     """The per-expert dense GEMMs on CPU (torch._scaled_mm runs there too): every expert's row
     scales start on 16 bytes (cuBLASLt refused unaligned ones on an H100; where every expert's
