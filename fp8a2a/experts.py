@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .kernels import capability, constant, quantize_rows, triton_kernels, triton_ok
+from .kernels import capability, capturing, constant, quantize_rows, triton_kernels, triton_ok
 from .quant import QuantizedTensor, quantize, scale_rule
 from .weight_cache import (dense_weight, expert_weights,  # noqa: F401  (expert_weights,
                            fp8_weight, invalidate_fp8_weight_cache, is_stand_in)  # invalidate...: re-exported)
@@ -255,7 +255,7 @@ def _dense_per_expert(tuning, counts, device, M, N, K) -> bool:
     least tuning.dense_min_rows_per_expert rows per expert on average, a shape torch has not refused."""
     return (counts is not None and M >= tuning.dense_min_rows_per_expert * len(counts)
             and (device, N, K) not in _DENSE_REFUSED
-            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+            and not capturing(device))
 
 
 def _mm_fp8(cfg, xq, xs, wq, sw, offs, counts=None):
@@ -408,7 +408,7 @@ def _wgrad_fp8(g, xq, xs, offs, out_dtype, counts=None, tuning=ExpertsConfig()):
     expert (host counts, large groups: ExpertsConfig.cublas_wgrad_min_rows_per_expert) or one
     Triton grouped GEMM."""
     tk = triton_kernels()
-    if torch.cuda.is_current_stream_capturing():  # a replay keeps its captured bounds: the device's
+    if capturing(g.device):  # a replay keeps its captured bounds: the device's
         counts = None
     pad_offs, mpad = _wgrad_padding(offs, g.shape[0], counts)  # host counts: one copy, the exact width
     per_expert = (counts is not None
@@ -607,7 +607,7 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
                          f"(one per local expert), got {tpe.dtype} of shape {tuple(tpe.shape)} on {tpe.device}")
     if check not in (None, True, False, "sync", "async"):
         raise ValueError(f"fp8a2a: check must be None, True, False, 'sync' or 'async', got {check!r}")
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # (a CPU build has no such query)
+    in_capture = capturing(device)
     on_host = tpe.device.type == "cpu"
     if check is None:
         check = "sync" if on_host else "async"
@@ -617,15 +617,15 @@ def _offsets(tokens_per_expert, rows, num_experts, device, check):
         raise ValueError(f"fp8a2a: tokens_per_expert {counts} sums to {sum(counts)}, "
                          f"but the input has {rows} rows (they must match, no count negative)")
     # only valid counts: under check=False or 'async' nothing else stops wrong ones before the GEMMs
-    host = tuple(counts) if on_host and valid and device.type == "cuda" and not capturing else None
-    if on_host and check != "async" and not capturing:  # summed here, one copy in
+    host = tuple(counts) if on_host and valid and device.type == "cuda" and not in_capture else None
+    if on_host and check != "async" and not in_capture:  # summed here, one copy in
         ends = list(itertools.accumulate(counts))
         if ends and max(ends) > _INT32_MAX:
             raise ValueError(f"fp8a2a: tokens_per_expert {counts}: the row offsets pass 2**31 - 1")
         return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True), host
     tpe = tpe.to(device, non_blocking=True)
     offs = torch.cumsum(tpe, 0, dtype=torch.int32)
-    if check == "async" and num_experts and not capturing:
+    if check == "async" and num_experts and not in_capture:
         # summed in int64 (the int32 offsets wrap past 2^31), with every count in [0, rows] so
         # that the sum cannot wrap either; a negative count would make the offsets go back: the
         # GEMMs would read outside the groups

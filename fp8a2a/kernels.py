@@ -40,13 +40,19 @@ def _properties(index: int) -> tuple:
     return torch.cuda.get_device_capability(index), torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of a CUDA device (a CPU build has
+    no such query: False off CUDA). Host values read now would be frozen into every replay."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def constant(key, make):
     """make(), a small tensor that never changes, made once per key. One made inside a CUDA graph
     capture is not kept: its values are written only by the graph's replays."""
     out = _CONSTANTS.get(key)
     if out is None:
         out = make()
-        if not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not capturing(out.device):
             _CONSTANTS[key] = out
     return out
 

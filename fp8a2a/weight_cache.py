@@ -10,7 +10,7 @@ applies the same rule at the point where the eager forward would."""
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .kernels import quantize_rows, triton_kernels, triton_ok
+from .kernels import capturing, quantize_rows, triton_kernels, triton_ok
 from .wire import FP8
 
 
@@ -118,7 +118,7 @@ def _slot(weight):
 
 
 def _capturing(weight):
-    return weight.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return capturing(weight.device)
 
 
 def _graphed(sources):

@@ -62,7 +62,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .. import Dispatcher
-from ..kernels import constant
+from ..kernels import capturing, constant
 from ..quant import QuantizedTensor, dequantize
 from .options import Options, resolve
 
@@ -319,7 +319,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             # the counts on the host, where the dispatch's sync put them: the FP8 experts check and
             # sum them there, and the FP8 wgrad's per-expert GEMMs take their bounds; in a graph
             # capture (which cannot copy them in) the device counts
-            if out.tokens_per_expert.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing(out.tokens_per_expert.device):
                 return tokens, out.tokens_per_expert, probs
             return tokens, torch.tensor(out.handle.tokens_per_expert_list, dtype=torch.int64), probs
         counts = out.handle.tokens_per_expert_list
