@@ -188,8 +188,11 @@ def sync(cuda):
         torch.cuda.synchronize()
 
 
-def timed_ms(fn, cuda):
-    sync(cuda)
+def timed_ms(fn, cuda, drain=True):
+    """ms of fn(): CUDA events around it (perf_counter off CUDA), from an idle GPU unless not drain
+    (then from where the work already queued ends)."""
+    if drain:
+        sync(cuda)
     if not cuda:
         t0 = time.perf_counter()
         fn()
@@ -228,19 +231,7 @@ def timed_burst(v, cuda, n=BURST, count=False):
         v.step()
     sync(cuda)
     one()  # untimed: the first of the timed steps is launched behind it, as the rest
-    if not cuda:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            one()
-        ms = (time.perf_counter() - t0) * 1e3 / n
-    else:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            one()
-        b.record()
-        b.synchronize()
-        ms = a.elapsed_time(b) / n
+    ms = timed_ms(lambda: [one() for _ in range(n)], cuda, drain=False) / n
     if count and v.recasts is not None:
         if v.prepare is not None:
             v.prepare()
@@ -403,7 +394,8 @@ def run_shape(name, shape, args, cuda):
                     # dense_min_rows_per_expert rows per expert the forward's and the FP8 dgrad's;
                     # each pass 2 * rows * (fc1 + fc2 weights) of useful work, every routed row
                     # once (no capacity drop in these rows)
-                    dense = T * K >= fp8a2a.ExpertsConfig().dense_min_rows_per_expert * E
+                    dense = fp8a2a.experts._dense_per_expert(fp8a2a.ExpertsConfig(), (T * K // E,) * E,
+                                                             torch.device("cuda"), T * K, H, Fh)
                     gemms = [n for n, on in (("forward", dense), ("dgrad", dense and getattr(v.cfg, "fp8a2a_fp8_dgrad", False)),
                                              ("wgrad", getattr(v.cfg, "fp8a2a_fp8_wgrad", False))) if on]
                     flop = 2 * T * K * H * (2 * Fh + Fh) if v.cfg.gated_linear_unit else 2 * T * K * H * 2 * Fh
