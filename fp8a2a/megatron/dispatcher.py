@@ -4,7 +4,8 @@ Stages and the state they leave on the dispatcher (Megatron's overlap schedules 
 one, possibly on different streams, and may detach and free the tensors passed between them):
 
   dispatch_preprocess(x, routing_map, probs)  local only: routing_map/probs [T, E] -> topk_idx/weights
-                                              [T, K]; keeps x and topk_idx; returns (x carrier, weights)
+                                              [T, K]; keeps x and topk_idx; returns (x carrier, weights);
+                                              first the FP8 experts' token-free work (prefetch_fp8_weights)
   token_dispatch(carrier, weights)            the exchange: fp8a2a.Dispatcher.dispatch (quantize+pack,
                                               counts, one host sync (none in the capacity mode), rows,
                                               unpack); keeps the result;
@@ -209,6 +210,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._group = group
         self._dispatcher = None  # built by set_experts: Dispatcher() runs one collective (its options' agreement)
         self.deliver_fp8 = False
+        self._prefetch_weights = None  # the FP8 experts' prefetch_fp8_weights (set_experts)
         self.shared_experts = None
 
         # state between stages
@@ -231,7 +233,9 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
     def set_experts(self, experts):
         """Called once the MoELayer has built its experts (once, on every rank): resolves the options,
         checks the CUDA-graph settings against them and builds the Dispatcher (one collective).
-        FP8 rows go to experts that take them (fp8a2a_accepts_quantized)."""
+        FP8 rows go to experts that take them (fp8a2a_accepts_quantized); experts with
+        prefetch_fp8_weights (the FP8 experts) get it called in dispatch_preprocess, before the
+        dispatch's host sync."""
         if self.options is not None:
             raise RuntimeError("fp8a2a: set_experts called twice")
         config = self.config
@@ -246,6 +250,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         self.options = replace(options, dispatcher=replace(options.dispatcher, expert_tp_size=self.tp_size))
         self.deliver_fp8, self.capacity_factor = fp8_experts, factor
+        self._prefetch_weights = getattr(experts, "prefetch_fp8_weights", None)
         self.router_applies_capacity, self.strip_capacity_padding = router_applies, router_applies and pad
         self._dispatcher = Dispatcher(self.num_experts, group=self._group, config=self.options.dispatcher)
         return self._dispatcher
@@ -277,6 +282,8 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         assert routing_map.dtype == torch.bool, "Expected a bool routing_map"
         if self.options is None:
             self.set_experts(None)  # built outside MoELayer's hook: Megatron's experts
+        if self._prefetch_weights is not None:  # before the dispatch's sync: off the path from it to the experts
+            self._prefetch_weights()
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         if self.strip_capacity_padding:

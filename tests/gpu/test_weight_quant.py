@@ -138,3 +138,43 @@ def test_transpose_bytes(shape):
     out = tk.transpose_bytes(q)
     assert out.dtype == q.dtype and out.shape == (shape[0], shape[2], shape[1]) and out.is_contiguous()
     assert torch.equal(out.view(torch.uint8), q.view(torch.uint8).transpose(1, 2))
+
+
+def test_prefetch_on_a_side_stream():
+    """weight_cache.prefetch builds the stale copies (row-wise, transposed, BF16 stack) on a side
+    stream, after the current stream's writes to the weights, without a host sync; after wait() the
+    lookups are hits on the same tensors, with the bytes of the reference; copies that are current
+    are not rebuilt; after an optimizer step's invalidation they are."""
+    import fp8a2a.weight_cache as wc
+    E, N, K = 3, 200, 136
+    w = _weights(E, N, K, torch.bfloat16, True, seed=2)
+    params = [torch.nn.Parameter(w[e].clone()) for e in range(E)]
+    dense = torch.nn.Parameter(w.clone())
+    main = torch.cuda.current_stream()
+    (stand_in,) = fx.expert_weights(params)
+    weights = (stand_in, dense)
+    kinds = (False, True, "stack")
+
+    def write_then_prefetch():
+        torch.cuda._sleep(50_000_000)  # the weights' last write lands behind a long kernel ...
+        with torch.no_grad():
+            for p in params + [dense]:
+                p.mul_(2)  # ... so a side stream that did not wait for it would read the old values
+        return wc.prefetch(weights, kinds)
+    pending, names = _kernels(write_then_prefetch)
+    assert isinstance(pending, wc.Prefetched) and torch.cuda.current_stream() == main
+    assert sum("weight_quant" in n for n in names) == 2 and sum("transpose" in n for n in names) == 2, names
+    pending.wait()
+    for weight, values in ((stand_in, 2 * w), (dense, 2 * w)):
+        for transposed in (False, True):
+            got = fx.fp8_weight(weight, transposed)
+            assert any(got[0] is t for t in pending.tensors)
+            _same(got, _reference(values, transposed))
+        assert torch.equal(fx.dense_weight(weight), values)
+    again, names = _kernels(lambda: wc.prefetch(weights, kinds))
+    assert names == [], names  # all current: nothing launched
+    wc.invalidate_fp8_weight_cache()
+    rebuilt, names = _kernels(lambda: wc.prefetch(weights, (False,)))
+    rebuilt.wait()
+    assert sum("weight_quant" in n for n in names) == 2, names
+    assert fx.fp8_weight(stand_in)[0] is not pending.tensors[0]
