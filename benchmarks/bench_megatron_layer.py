@@ -314,11 +314,13 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
 FP8_CUBLAS = re.compile(r"nvjet_sm90_qq")
 
 
-def profile_row(v, steps=1):
+def profile_row(v, steps=1, burst=0):
     """Where one cached step of v goes (costs.profile_call, prepare outside the profile; the first of
     `steps` profiled steps in detail, busy and cuBLAS FP8 GEMM time of each), and the device time a
     step's first micro-batch adds (its busy time less the cached step's: the weight cast on the
-    device, without the host gaps a wall-time difference hides it in); None off CUDA."""
+    device, without the host gaps a wall-time difference hides it in); burst > 0: also 1 + burst
+    cached steps profiled back to back as timed_burst runs them, where their device idles (the
+    first step's from an idle GPU included); None off CUDA."""
     cs = [costs.profile_call(lambda _: v.step(), setup=v.prepare) for _ in range(steps)]
     c = cs[0]
     if c is None:
@@ -331,6 +333,15 @@ def profile_row(v, steps=1):
            "busy_runs_ms": [x["busy_us"] / 1e3 for x in cs], "span_runs_ms": [x["span_us"] / 1e3 for x in cs],
            "fp8_cublas_runs_ms": [sum(us for op, us in x["busy_us_by_op"].items() if FP8_CUBLAS.search(op)) / 1e3
                                   for x in cs]}
+    if burst:
+        def steps_back_to_back():
+            for _ in range(1 + burst):
+                if v.prepare is not None:
+                    v.prepare()
+                v.step()
+        b = costs.profile_call(steps_back_to_back, warmup=0)
+        out["burst"] = {"steps": 1 + burst, "span_ms": b["span_us"] / 1e3, "busy_ms": b["busy_us"] / 1e3,
+                        "idle_by_pair": b["idle_by_pair"]}
     if v.first is not None:
         def first_microbatch():
             if v.prepare is not None:
@@ -387,7 +398,7 @@ def run_shape(name, shape, args, cuda):
         rows.update({v.name: summarize(v, runs) for v in vs})
         for v in vs if args.profile and cuda else ():
             if "error" not in rows[v.name]:
-                rows[v.name]["profile"] = p = profile_row(v, args.repeat)
+                rows[v.name]["profile"] = p = profile_row(v, args.repeat, burst)
                 if v.prepare is not None:
                     v.prepare()
                 if p and v.cfg is not None and getattr(v.cfg, "fp8a2a_experts", None) == "fp8" and \
@@ -463,6 +474,13 @@ def format_table(res):
                     out.append(f"    a step's first micro-batch: busy {p['first_busy_ms']:.2f} ms, "
                                f"{p['first_extra_busy_ms']:+.2f} ms of device time (the weight cast; its kernels "
                                f"{p['first_extra_kernel_ms']:+.2f} ms, overlapped or not)")
+                if "burst" in p:
+                    b = p["burst"]
+                    out.append(f"    {b['steps']} steps back to back: span {b['span_ms']:.2f} ms, busy {b['busy_ms']:.2f}, "
+                               f"idle {(b['span_ms'] - b['busy_ms']) / b['steps']:.2f} ms per step; idle by the "
+                               "kernels around it: " + "; ".join(f"{g['us'] / 1e3:.2f} ms in {g['gaps']} "
+                                                                 f"{g['before'][:28]} -> {g['after'][:28]}"
+                                                                 for g in b["idle_by_pair"][:5]))
                 if len(p.get("busy_runs_ms", ())) > 1:
                     out.append(f"    busy over {len(p['busy_runs_ms'])} profiled steps: "
                                f"{statistics.median(p['busy_runs_ms']):.2f} [{min(p['busy_runs_ms']):.2f}-"

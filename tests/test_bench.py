@@ -554,6 +554,17 @@ def test_costs_gaps_name_the_kernels_and_the_host_ranges_around_them():
     assert c["gaps"][0]["host"] == ["aten::mm", "MoELayer.forward"]
 
 
+def test_costs_idle_by_pair_sums_a_gap_that_recurs():
+    """Two steps with the same 30 us gap (a -> b) and one 5 us gap (b -> a) between them: the pair's
+    idle time is summed over its gaps, largest first."""
+    ev = [costs.Event(f"ns::{k}_kernel(int)", True, t, duration_us=10.0)
+          for k, t in (("a", 0), ("b", 40), ("a", 55), ("b", 95))]
+    c = costs.count(ev)
+    assert c["idle_by_pair"] == [{"us": 60.0, "gaps": 2, "before": "a_kernel", "after": "b_kernel"},
+                                 {"us": 5.0, "gaps": 1, "before": "b_kernel", "after": "a_kernel"}]
+    assert c["span_us"] - c["busy_us"] == 65.0
+
+
 def test_costs_timing_and_spread_on_the_cpu():
     calls = []
     dev, host = costs.time_calls(lambda: calls.append(1), iters=4, warmup=2, cuda=False)

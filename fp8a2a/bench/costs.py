@@ -17,7 +17,8 @@ events that start before that marker count, so neither the warm-up nor that fina
             without its gaps; a device time far above it is host-bound (launches, or the wait after
             a host sync). busy_us_by_op: each kernel's (or copy kind's) summed durations, unmerged.
   span_us   first device event's start to the last one's end; gaps: the longest idle stretches in
-            it, with the kernels around them and the host ranges open where each ends.
+            it, with the kernels around them and the host ranges open where each ends; idle_by_pair:
+            the idle time summed per pair of kernels around it (a gap that recurs in every step).
 """
 import re
 import statistics
@@ -80,18 +81,34 @@ def _covered_us(work: List[Event]) -> float:
     return total
 
 
-def _gaps(work: List[Event], host: List[Event], n: int = 5) -> List[dict]:
-    """The n longest stretches between the device's first and last event with nothing running:
-    their length, the kernels on either side, and the innermost host ranges (aten ops, autograd
-    nodes, record_function ranges) open where the gap ends, i.e. what the host was issuing then."""
+def _all_gaps(work: List[Event]) -> List[tuple]:
+    """(us, event before, event after) of every stretch between the device's first and last event
+    with nothing running."""
     gaps, end, last = [], None, None
     for e in sorted(work, key=lambda e: e.start_us):
         if end is not None and e.start_us > end:
             gaps.append((e.start_us - end, last, e))
         if end is None or e.start_us + e.duration_us > end:
             end, last = e.start_us + e.duration_us, e
+    return gaps
+
+
+def _idle_by_pair(work: List[Event], n: int = 8) -> List[dict]:
+    """The device's idle time summed per pair of kernels around it (e.g. the same gap in every step of
+    a profiled burst), the n largest sums, with how many gaps each holds."""
+    total, times = Counter(), Counter()
+    for us, before, after in _all_gaps(work):
+        total[(_short(before.name), _short(after.name))] += us
+        times[(_short(before.name), _short(after.name))] += 1
+    return [{"us": us, "gaps": times[k], "before": k[0], "after": k[1]} for k, us in total.most_common(n)]
+
+
+def _gaps(work: List[Event], host: List[Event], n: int = 5) -> List[dict]:
+    """The n longest stretches between the device's first and last event with nothing running:
+    their length, the kernels on either side, and the innermost host ranges (aten ops, autograd
+    nodes, record_function ranges) open where the gap ends, i.e. what the host was issuing then."""
     out = []
-    for us, before, after in sorted(gaps, key=lambda g: -g[0])[:n]:
+    for us, before, after in sorted(_all_gaps(work), key=lambda g: -g[0])[:n]:
         open_ = sorted((h for h in host if h.start_us <= after.start_us <= h.start_us + h.duration_us
                         and not _CUDA_API.match(h.name)), key=lambda h: h.duration_us)
         out.append({"us": us, "before": _short(before.name), "after": _short(after.name),
@@ -126,7 +143,7 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
             "copies": len(copies), "launch_calls": sum(1 for n in host if n in LAUNCH_APIS),
             "busy_us": _covered_us(work), "busy_us_by_op": _by_op(work),
             "span_us": (max(e.start_us + e.duration_us for e in work) - min(e.start_us for e in work)) if work else 0.0,
-            "gaps": _gaps(work, host_events), "marker": cut is not None}
+            "gaps": _gaps(work, host_events), "idle_by_pair": _idle_by_pair(work), "marker": cut is not None}
 
 
 def profile_call(fn: Callable[..., object], device=None, warmup: int = 1,
