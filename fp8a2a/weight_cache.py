@@ -4,7 +4,7 @@ stack for the BF16 dgrad (dense_weight), and expert_weights' stand-ins for Megat
 parameters (no stack per forward). One validity rule for every cached copy (_cached).
 
 prefetch builds the stale copies on a side stream ahead of their use (the Megatron adapter calls
-it before the dispatch's host sync, so the casts overlap the dispatch).
+it inside the dispatch, before its host sync, so the casts run while the host waits and launches).
 
 CUDA graphs: a copy handed out while a graph is captured is read by the graph's kernels at every
 replay, which skips the check. Such copies stay where they are: a rebuild copies into them, and

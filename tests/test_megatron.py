@@ -724,9 +724,10 @@ def test_fp8_experts_weights_made_once_per_optimizer_step():
 
 def _fp8_experts_prefetch(rank, world):
     """The dispatcher runs the FP8 experts' token-free forward work (prefetch_fp8_weights) once per
-    forward, in dispatch_preprocess, before the dispatch: the stand-ins made there are the ones the
-    forward uses (made once per forward, under grad and under no_grad), and nothing is left pending.
-    Off CUDA the weight casts stay in the forward (weight_cache.prefetch launches nothing: None)."""
+    forward, inside the dispatch (its before_sync): the stand-ins made there are the ones the
+    forward uses (made once per forward, under grad and under no_grad, in the forward's grad mode
+    though the dispatch's autograd Function runs with grad off), and nothing is left pending. Off
+    CUDA the weight casts stay in the forward (weight_cache.prefetch launches nothing: None)."""
     import fp8a2a.weight_cache as wc
     init_parallel(world)
     try:
@@ -738,12 +739,14 @@ def _fp8_experts_prefetch(rank, world):
         dispatch = layer.token_dispatcher.dispatcher.dispatch
 
         def counted():
-            calls.append("prefetch")
+            calls.append(("prefetch", calls[-1] == "dispatching", torch.is_grad_enabled()))
             prefetch()
 
-        def dispatching(*args):
-            calls.append("dispatch")
-            return dispatch(*args)
+        def dispatching(*args, **kwargs):
+            calls.append("dispatching")
+            out = dispatch(*args, **kwargs)
+            calls.append("dispatched")
+            return out
         made, used = [], []
         fp8_weights, forward_with = layer.experts._fp8_weights, layer.experts._fp8a2a_impl.forward_with
 
@@ -762,7 +765,8 @@ def _fp8_experts_prefetch(rank, world):
         with torch.no_grad():
             layer(x.clone())
         same = len(made) == len(used) == 3 and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(made, used))
-        return (prefetch.__func__ is type(layer.experts).prefetch_fp8_weights, calls == ["prefetch", "dispatch"] * 3,
+        inside = [["dispatching", ("prefetch", True, grad), "dispatched"] for grad in (True, True, False)]
+        return (prefetch.__func__ is type(layer.experts).prefetch_fp8_weights, calls == sum(inside, []),
                 same, wc.prefetch(made[0], (False, "stack")) is None, "_fp8a2a_ahead" not in layer.experts.__dict__)
     finally:
         ps.destroy_model_parallel()

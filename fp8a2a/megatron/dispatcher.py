@@ -4,11 +4,10 @@ Stages and the state they leave on the dispatcher (Megatron's overlap schedules 
 one, possibly on different streams, and may detach and free the tensors passed between them):
 
   dispatch_preprocess(x, routing_map, probs)  local only: routing_map/probs [T, E] -> topk_idx/weights
-                                              [T, K]; keeps x and topk_idx; returns (x carrier, weights);
-                                              first the FP8 experts' token-free work (prefetch_fp8_weights)
+                                              [T, K]; keeps x and topk_idx; returns (x carrier, weights)
   token_dispatch(carrier, weights)            the exchange: fp8a2a.Dispatcher.dispatch (quantize+pack,
-                                              counts, one host sync (none in the capacity mode), rows,
-                                              unpack); keeps the result;
+                                              counts, the FP8 experts' token-free work, one host sync
+                                              (none in the capacity mode), rows, unpack); keeps the result;
                                               returns (rows carrier, received router weights [N])
   dispatch_postprocess(carrier, weights)      local only: the rows for the experts, FP8
                                               (QuantizedTensor, when the experts take it) or dequantized
@@ -234,8 +233,8 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         """Called once the MoELayer has built its experts (once, on every rank): resolves the options,
         checks the CUDA-graph settings against them and builds the Dispatcher (one collective).
         FP8 rows go to experts that take them (fp8a2a_accepts_quantized); experts with
-        prefetch_fp8_weights (the FP8 experts) get it called in dispatch_preprocess, before the
-        dispatch's host sync."""
+        prefetch_fp8_weights (the FP8 experts) get it called inside the dispatch, before its host
+        sync (_experts_ahead)."""
         if self.options is not None:
             raise RuntimeError("fp8a2a: set_experts called twice")
         config = self.config
@@ -275,6 +274,22 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             return fn(*args)
         return None
 
+    def _experts_ahead(self):
+        """The dispatch's before_sync: the FP8 experts' token-free forward work (prefetch_fp8_weights),
+        launched once the pack is queued and before the host waits for the counts, so that it leaves
+        the path from that wait to the experts' first GEMM, and their weight casts run on the device
+        while the host waits and then launches. In this call's grad mode (the dispatch's autograd
+        Function calls it with grad off; the stand-ins it makes must carry gradients)."""
+        fn = self._prefetch_weights
+        if fn is None:
+            return None
+        grad = torch.is_grad_enabled()
+
+        def ahead():
+            with torch.set_grad_enabled(grad):
+                fn()
+        return ahead
+
     # ---- the six stages ------------------------------------------------------------------------
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -282,8 +297,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         assert routing_map.dtype == torch.bool, "Expected a bool routing_map"
         if self.options is None:
             self.set_experts(None)  # built outside MoELayer's hook: Megatron's experts
-        if self._prefetch_weights is not None:  # before the dispatch's sync: off the path from it to the experts
-            self._prefetch_weights()
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
         if self.strip_capacity_padding:
@@ -298,7 +311,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         x = _attach(hidden_states, self._x)
         weights = probs.to(torch.float32, copy=True)  # ours: the schedule may free its inputs
         self._shared("wait_current_stream")
-        out = self.dispatcher.dispatch(x, self._topk_idx, weights)
+        out = self.dispatcher.dispatch(x, self._topk_idx, weights, before_sync=self._experts_ahead())
         self._out, self._handle = out, out.handle
         if isinstance(out.tokens, QuantizedTensor):
             carrier = out.tokens.grad_anchor

@@ -147,12 +147,12 @@ class _FP8ExpertsMixin:
 
     def prefetch_fp8_weights(self):
         """The forward's work that needs no tokens, done ahead: FP8AlltoAllTokenDispatcher calls it
-        in dispatch_preprocess, before its host sync, so that it leaves the path from that sync to
-        the first GEMM, where the GPU waits on the host. It fires the weight owners' forward
-        pre-hooks, makes the expert_weights stand-ins, and where the cached FP8 copies are stale
-        (after an optimizer step: a step's first micro-batch) starts their casts on a side stream
-        (weight_cache.prefetch), which then overlap the dispatch; the forward takes the stand-ins
-        and waits for the casts. The staleness check is O(1): the cache's epoch, and whether the
+        inside its dispatch, once the pack is queued and before the host waits for the counts, so
+        that it leaves the path from that wait to the first GEMM, where the GPU waits on the host.
+        It fires the weight owners' forward pre-hooks, makes the expert_weights stand-ins, and where
+        the cached FP8 copies are stale (after an optimizer step: a step's first micro-batch)
+        starts their casts on a side stream (weight_cache.prefetch), which then run while the host
+        waits and launches; the forward takes the stand-ins and waits for the casts. The staleness check is O(1): the cache's epoch, and whether the
         copies were dropped; copies made stale otherwise (a parameter written in place outside an
         optimizer step) are rebuilt by the forward, as without a prefetch."""
         from ..weight_cache import prefetch, weight_epoch
