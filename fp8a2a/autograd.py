@@ -22,17 +22,15 @@ def differentiable(*tensors) -> bool:
     return False
 
 
-def dispatch_rows(spec: ExchangeSpec, x, topk_weights, route: Route, fail_peers=None, before_sync=None):
+def dispatch_rows(spec: ExchangeSpec, x, topk_weights, route: Route, fail_peers=None):
     """(data, scale, weights, tokens per expert, the handle: a Layout with the weights, anchors).
-    before_sync: exchange.dispatch's.
     Raw rows are data itself; FP8 rows' gradient reaches x through `anchors`: zero-memory carriers
     (x's dtype, float32 or None), (None, None) when nothing needs a gradient."""
     # (a given tensor scale is read detached: no gradient flows to it)
     if not differentiable(x, topk_weights):
-        data, scale_rows, weights, tpe, layout = exchange.dispatch(spec, x, route, False, fail_peers, before_sync)
+        data, scale_rows, weights, tpe, layout = exchange.dispatch(spec, x, route, False, fail_peers)
         return data, scale_rows, weights, tpe, layout.with_weights(weights), (None, None)
-    rows, weights, data, scale_rows, tpe, layout, rows32 = _DispatchFn.apply(x, topk_weights, spec, route, fail_peers,
-                                                                             before_sync)
+    rows, weights, data, scale_rows, tpe, layout, rows32 = _DispatchFn.apply(x, topk_weights, spec, route, fail_peers)
     if layout.wire == Granularity.RAW:
         return rows, scale_rows, weights, tpe, layout.with_weights(weights), (None, None)
     anchors = (rows, rows32) if rows.requires_grad else (None, None)
@@ -41,11 +39,11 @@ def dispatch_rows(spec: ExchangeSpec, x, topk_weights, route: Route, fail_peers=
 
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, spec, route, fail_peers, before_sync):
+    def forward(ctx, x, topk_weights, spec, route, fail_peers):
         # the header says whether this rank's backward will exchange: only x's and the weights'
         # gradients travel
         needs_grad = x.requires_grad or topk_weights.requires_grad
-        data, scale, weights, tpe, layout = exchange.dispatch(spec, x, route, needs_grad, fail_peers, before_sync)
+        data, scale, weights, tpe, layout = exchange.dispatch(spec, x, route, needs_grad, fail_peers)
         ctx.layout = layout  # without the weights: they would close a reference cycle through ctx
         # an output without a gradient comes to backward as None, not as zeros autograd allocates
         # (for the rows, [N, H]): backward allocates only what the exchange needs
@@ -75,7 +73,7 @@ class _DispatchFn(torch.autograd.Function):
         # gradient: with peers, always with the weights' column
         want_w = not spec.local or (ctx.needs_input_grad[1] and grad_weights is not None)
         if grad_rows is None and not want_w:  # no peer waits and nothing to send: x's gradient is 0
-            return None, None, None, None, None, None
+            return None, None, None, None, None
         # zeros only where the exchange needs rows to carry the weights' column
         device = h.send_pos.device
         if grad_rows is None:
@@ -85,7 +83,7 @@ class _DispatchFn(torch.autograd.Function):
         extra = grad_weights.float().contiguous() if want_w else None
         # grad_rows in whichever dtype it came (x's or float32): combine_pack reads it as it is
         gx, gw = exchange.combine(grad_rows, None, h, spec.fp8_dispatch_backward, extra)
-        return gx, (gw if want_w and ctx.needs_input_grad[1] else None), None, None, None, None
+        return gx, (gw if want_w and ctx.needs_input_grad[1] else None), None, None, None
 
 
 def combine_rows(expert_out, weights, layout: Layout):

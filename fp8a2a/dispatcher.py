@@ -3,7 +3,7 @@ dispatch / combine over the exchange engine (fp8a2a.exchange) and its autograd (
 import math
 import struct
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -241,8 +241,7 @@ class Dispatcher:
 
     # ---- public API ------------------------------------------------------------------------
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-                 before_sync: Optional[Callable[[], None]] = None) -> DispatchOutput:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> DispatchOutput:
         """Send each token (once per destination rank) to the ranks of its top-k experts.
 
         Arguments:
@@ -251,11 +250,6 @@ class Dispatcher:
             topk_idx: [T, K] int64 or int32, global expert ids; -1 leaves a slot unrouted.
             topk_weights: [T, K] floating point, the router weights (their gradient comes back
                 through combine or `out.weights`).
-            before_sync: called with no arguments once this rank's pack and the counts exchange
-                are queued, before the host waits for the counts (in capacity mode, before the
-                rows' exchange): token-free work launched there runs on the device while the host
-                waits, ahead of what follows (the Megatron adapter starts its experts' weight
-                casts there).
 
         Returns:
             DispatchOutput: `tokens` [N, H], the rows this rank's experts serve, grouped by local
@@ -290,8 +284,7 @@ class Dispatcher:
         except Exception:
             self._fail_peers(amax_pending=True)
             raise
-        data, scale, weights, tpe, handle, anchors = dispatch_rows(self.spec, x, topk_weights, route, self._fail_peers,
-                                                                     before_sync)
+        data, scale, weights, tpe, handle, anchors = dispatch_rows(self.spec, x, topk_weights, route, self._fail_peers)
         if handle.wire == Granularity.RAW:
             tokens = data
         else:

@@ -175,14 +175,12 @@ def tensor_scale(spec: ExchangeSpec, x):
     return sq[0], sq
 
 
-def dispatch(spec: ExchangeSpec, x, route: Route, needs_grad=False, fail_peers=None, before_sync=None):
+def dispatch(spec: ExchangeSpec, x, route: Route, needs_grad=False, fail_peers=None):
     """Dispatch x's rows: (data, scales, weights, tokens per expert, Layout without weights).
 
     needs_grad: this rank will run the backward's exchange; written in the header, so that every
     rank sees whether its peers will. fail_peers: called if this rank's pack rejects its input,
-    before the peers' counts exchange. before_sync: called once the pack and the counts exchange
-    are queued, before the host waits for the counts (in capacity mode, which does not wait,
-    before the rows' exchange)."""
+    before the peers' counts exchange."""
     elem = x.element_size()
     # Capacity mode must not sync, so it cannot agree on a format per call: it keeps its own.
     local_wire = (Granularity.RAW if x.numel() * elem < spec.bf16_below_bytes and not route.expert_capacity
@@ -195,8 +193,6 @@ def dispatch(spec: ExchangeSpec, x, route: Route, needs_grad=False, fail_peers=N
             fail_peers()
         raise
     recv_counts = exchange_counts(spec, counts)
-    if before_sync is not None:
-        before_sync()
     hidden = x.shape[1]
     if route.expert_capacity:
         return _dispatch_static(spec, x, route, scale, send, counts, send_pos, recv_counts)

@@ -3,9 +3,6 @@ with per-output-channel scales, or the same bytes transposed for the FP8 dgrad),
 stack for the BF16 dgrad (dense_weight), and expert_weights' stand-ins for Megatron's per-expert
 parameters (no stack per forward). One validity rule for every cached copy (_cached).
 
-prefetch builds the stale copies on a side stream ahead of their use (the Megatron adapter calls
-it inside the dispatch, before its host sync, so the casts run while the host waits and launches).
-
 CUDA graphs: a copy handed out while a graph is captured is read by the graph's kernels at every
 replay, which skips the check. Such copies stay where they are: a rebuild copies into them, and
 refresh_graphed(weight), called before a replay (fp8a2a.megatron does it for Megatron's graphs),
@@ -201,56 +198,6 @@ def refresh_graphed(weight: torch.Tensor) -> None:
             dense_weight(weight)
         else:
             fp8_weight(weight, transposed=kind)
-
-
-class Prefetched:
-    """Copies that prefetch built on its side stream: wait() before a stream reads them."""
-
-    def __init__(self, event, tensors, device):
-        self.event, self.tensors, self.device = event, tensors, device
-
-    def wait(self):
-        """Makes the current stream wait for the builds; the copies' memory is kept from reuse until
-        this stream's work up to here is done (record_stream: they were allocated on the side
-        stream, which their next rebuild does not order after this one)."""
-        stream = torch.cuda.current_stream(self.device)
-        stream.wait_event(self.event)
-        for t in self.tensors:
-            t.record_stream(stream)
-
-
-_SIDE_STREAMS = {}
-
-
-def prefetch(weights, kinds):
-    """Brings the cached copies of each weight up to date (fp8_weight's kinds False, row-wise, and
-    True, transposed; "stack": dense_weight's) on a side stream of the weights' CUDA device, after
-    the current stream's work up to now (the weights' last writes), so that the casts overlap what
-    the current stream does next. Returns a Prefetched to wait() on before the copies are read (the
-    lookups that follow are hits), or None where nothing was launched: off CUDA, during a CUDA graph
-    capture, or where a graph reads a copy (refresh_graphed refills those)."""
-    device = weights[0].device
-    if device.type != "cuda" or capturing(device):
-        return None
-    sources = [w.__dict__.get("_fp8a2a_sources") or (w,) for w in weights]
-    if any(s[0].__dict__.get("_fp8a2a_graphed") for s in sources):
-        return None
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        built = [dense_weight(w) if kind == "stack" else fp8_weight(w, transposed=kind)
-                 for w in weights for kind in kinds]
-    event = torch.cuda.Event()
-    event.record(side)
-    return Prefetched(event, [t for out in built for t in _tensors(out)], device)
-
-
-def weight_epoch() -> int:
-    """The count of optimizer steps and invalidate_fp8_weight_cache() calls so far: every cached
-    copy made before it last advanced is stale."""
-    return _weight_epoch[0]
 
 
 def is_stand_in(weight: torch.Tensor) -> bool:

@@ -635,26 +635,3 @@ def test_second_derivatives_raise():
         gx, = torch.autograd.grad(loss, x, create_graph=True)
         with pytest.raises(RuntimeError, match="once_differentiable"):
             gx.pow(2).sum().backward()
-
-
-@pytest.mark.parametrize("capacity", [None, 2.0])
-def test_before_sync_runs_between_the_pack_and_the_exchange(capacity, monkeypatch):
-    """Dispatcher.dispatch(before_sync=fn): fn is called once per dispatch, with no arguments, after
-    this rank's pack is queued and before the rows' exchange (and the host's wait for the counts
-    before it); under grad mode too, whose autograd Function runs it."""
-    from fp8a2a import exchange
-    d, x, idx, w = _routed(capacity_factor=capacity)
-    order = []
-    def recorded(name, real):
-        def call(*args, **kwargs):
-            order.append(name)
-            return real(*args, **kwargs)
-        return call
-    for name in ("pack", "all_to_all"):
-        monkeypatch.setattr(exchange, name, recorded(name, getattr(exchange, name)))
-    for grad in (True, False):
-        order.clear()
-        with torch.set_grad_enabled(grad):
-            out = d.dispatch(x, idx, w, before_sync=lambda: order.append("before_sync"))
-        assert order == ["pack", "before_sync", "all_to_all"], (grad, order)
-        assert torch.equal(out.dequantized(torch.float32), d.dispatch(x, idx, w).dequantized(torch.float32))

@@ -722,61 +722,6 @@ def test_fp8_experts_weights_made_once_per_optimizer_step():
     assert run_ranks(1, _fp8_experts_cache) == [True]
 
 
-def _fp8_experts_prefetch(rank, world):
-    """The dispatcher runs the FP8 experts' token-free forward work (prefetch_fp8_weights) once per
-    forward, inside the dispatch (its before_sync): the stand-ins made there are the ones the
-    forward uses (made once per forward, under grad and under no_grad, in the forward's grad mode
-    though the dispatch's autograd Function runs with grad off), and nothing is left pending. Off
-    CUDA the weight casts stay in the forward (weight_cache.prefetch launches nothing: None)."""
-    import fp8a2a.weight_cache as wc
-    init_parallel(world)
-    try:
-        torch.manual_seed(1)
-        layer = build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0))
-        x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
-        calls = []
-        prefetch = layer.token_dispatcher._prefetch_weights
-        dispatch = layer.token_dispatcher.dispatcher.dispatch
-
-        def counted():
-            calls.append(("prefetch", calls[-1] == "dispatching", torch.is_grad_enabled()))
-            prefetch()
-
-        def dispatching(*args, **kwargs):
-            calls.append("dispatching")
-            out = dispatch(*args, **kwargs)
-            calls.append("dispatched")
-            return out
-        made, used = [], []
-        fp8_weights, forward_with = layer.experts._fp8_weights, layer.experts._fp8a2a_impl.forward_with
-
-        def making(*args):
-            made.append(fp8_weights(*args))
-            return made[-1]
-
-        def using(w1, w2, *args, **kwargs):
-            used.append((w1, w2))
-            return forward_with(w1, w2, *args, **kwargs)
-        layer.token_dispatcher._prefetch_weights = counted
-        layer.token_dispatcher.dispatcher.dispatch = dispatching
-        layer.experts._fp8_weights, layer.experts._fp8a2a_impl.forward_with = making, using
-        for _ in range(2):
-            layer(x.clone().requires_grad_())[0].sum().backward()
-        with torch.no_grad():
-            layer(x.clone())
-        same = len(made) == len(used) == 3 and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(made, used))
-        inside = [["dispatching", ("prefetch", True, grad), "dispatched"] for grad in (True, True, False)]
-        return (prefetch.__func__ is type(layer.experts).prefetch_fp8_weights, calls == sum(inside, []),
-                same, wc.prefetch(made[0], (False, "stack")) is None, "_fp8a2a_ahead" not in layer.experts.__dict__)
-    finally:
-        ps.destroy_model_parallel()
-
-
-@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
-def test_fp8_experts_weight_casts_start_before_the_dispatch():
-    assert run_ranks(1, _fp8_experts_prefetch) == [(True,) * 5]
-
-
 def _fp8_experts_param_gather_hooks(rank, world):
     """Megatron's overlapped param all-gather (overlap_param_gather): the parameters hold stale
     values until a forward pre-hook of the module owning them (DDP's, on every module) waits for

@@ -6,8 +6,8 @@ one, possibly on different streams, and may detach and free the tensors passed b
   dispatch_preprocess(x, routing_map, probs)  local only: routing_map/probs [T, E] -> topk_idx/weights
                                               [T, K]; keeps x and topk_idx; returns (x carrier, weights)
   token_dispatch(carrier, weights)            the exchange: fp8a2a.Dispatcher.dispatch (quantize+pack,
-                                              counts, the FP8 experts' token-free work, one host sync
-                                              (none in the capacity mode), rows, unpack); keeps the result;
+                                              counts, one host sync (none in the capacity mode), rows,
+                                              unpack); keeps the result;
                                               returns (rows carrier, received router weights [N])
   dispatch_postprocess(carrier, weights)      local only: the rows for the experts, FP8
                                               (QuantizedTensor, when the experts take it) or dequantized
@@ -209,7 +209,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._group = group
         self._dispatcher = None  # built by set_experts: Dispatcher() runs one collective (its options' agreement)
         self.deliver_fp8 = False
-        self._prefetch_weights = None  # the FP8 experts' prefetch_fp8_weights (set_experts)
         self.shared_experts = None
 
         # state between stages
@@ -232,9 +231,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
     def set_experts(self, experts):
         """Called once the MoELayer has built its experts (once, on every rank): resolves the options,
         checks the CUDA-graph settings against them and builds the Dispatcher (one collective).
-        FP8 rows go to experts that take them (fp8a2a_accepts_quantized); experts with
-        prefetch_fp8_weights (the FP8 experts) get it called inside the dispatch, before its host
-        sync (_experts_ahead)."""
+        FP8 rows go to experts that take them (fp8a2a_accepts_quantized)."""
         if self.options is not None:
             raise RuntimeError("fp8a2a: set_experts called twice")
         config = self.config
@@ -249,7 +246,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         self.options = replace(options, dispatcher=replace(options.dispatcher, expert_tp_size=self.tp_size))
         self.deliver_fp8, self.capacity_factor = fp8_experts, factor
-        self._prefetch_weights = getattr(experts, "prefetch_fp8_weights", None)
         self.router_applies_capacity, self.strip_capacity_padding = router_applies, router_applies and pad
         self._dispatcher = Dispatcher(self.num_experts, group=self._group, config=self.options.dispatcher)
         return self._dispatcher
@@ -274,22 +270,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             return fn(*args)
         return None
 
-    def _experts_ahead(self):
-        """The dispatch's before_sync: the FP8 experts' token-free forward work (prefetch_fp8_weights),
-        launched once the pack is queued and before the host waits for the counts, so that it leaves
-        the path from that wait to the experts' first GEMM, and their weight casts run on the device
-        while the host waits and then launches. In this call's grad mode (the dispatch's autograd
-        Function calls it with grad off; the stand-ins it makes must carry gradients)."""
-        fn = self._prefetch_weights
-        if fn is None:
-            return None
-        grad = torch.is_grad_enabled()
-
-        def ahead():
-            with torch.set_grad_enabled(grad):
-                fn()
-        return ahead
-
     # ---- the six stages ------------------------------------------------------------------------
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -311,7 +291,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         x = _attach(hidden_states, self._x)
         weights = probs.to(torch.float32, copy=True)  # ours: the schedule may free its inputs
         self._shared("wait_current_stream")
-        out = self.dispatcher.dispatch(x, self._topk_idx, weights, before_sync=self._experts_ahead())
+        out = self.dispatcher.dispatch(x, self._topk_idx, weights)
         self._out, self._handle = out, out.handle
         if isinstance(out.tokens, QuantizedTensor):
             carrier = out.tokens.grad_anchor

@@ -25,7 +25,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..kernels import capturing
 from ..quant import QuantizedTensor
 
 _ACTIVATIONS = {F.silu: "swiglu", F.gelu: "gelu", F.relu: "relu"}
@@ -140,45 +139,10 @@ class _FP8ExpertsMixin:
         the experts' first GEMM, where the GPU waits on the host."""
         raise NotImplementedError
 
-    def _fp8_weights(self, params=None):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (weight_cache.expert_weights)
+    def _fp8_weights(self):  # -> ([E, fc1_out, H], [E, H, ffn]) stand-ins (fp8a2a.weight_cache.expert_weights)
         from ..experts import expert_weights
-        return expert_weights(*(params or self._expert_params()), gradient_accumulation_fusion=bool(
+        return expert_weights(*self._expert_params(), gradient_accumulation_fusion=bool(
             getattr(self.config, "gradient_accumulation_fusion", False)))
-
-    def prefetch_fp8_weights(self):
-        """The forward's work that needs no tokens, done ahead: FP8AlltoAllTokenDispatcher calls it
-        inside its dispatch, once the pack is queued and before the host waits for the counts, so
-        that it leaves the path from that wait to the first GEMM, where the GPU waits on the host.
-        It fires the weight owners' forward pre-hooks, makes the expert_weights stand-ins, and where
-        the cached FP8 copies are stale (after an optimizer step: a step's first micro-batch)
-        starts their casts on a side stream (weight_cache.prefetch), which then run while the host
-        waits and launches; the forward takes the stand-ins and waits for the casts. The staleness check is O(1): the cache's epoch, and whether the
-        copies were dropped; copies made stale otherwise (a parameter written in place outside an
-        optimizer step) are rebuilt by the forward, as without a prefetch."""
-        from ..weight_cache import prefetch, weight_epoch
-        params = self._expert_params()
-        first = params[0][0]
-        if capturing(first.device):
-            return
-        self._run_weight_pre_hooks()  # e.g. Megatron DDP's wait for the overlapped param all-gather
-        weights = self._fp8_weights(params)
-        prefetched, epoch = None, weight_epoch()
-        if self.__dict__.get("_fp8a2a_epoch") != epoch or False not in first.__dict__.get("_fp8a2a_cache", ()):
-            backward = "stack" if not self._fp8a2a_impl.fp8_dgrad else True  # what the dgrad reads
-            prefetched = prefetch(weights, (False, backward) if torch.is_grad_enabled() else (False,))
-            self.__dict__["_fp8a2a_epoch"] = epoch
-        self.__dict__["_fp8a2a_ahead"] = (weights, torch.is_grad_enabled(), prefetched)
-
-    def _weights_for_forward(self):
-        """The stand-ins prefetch_fp8_weights made for this forward (after waiting for its casts),
-        or, without a prefetch (or one made in another grad mode), the pre-hooks fired and new ones."""
-        ahead = self.__dict__.pop("_fp8a2a_ahead", None)
-        if ahead is not None and ahead[2] is not None:
-            ahead[2].wait()
-        if ahead is not None and ahead[1] == torch.is_grad_enabled():
-            return ahead[0]
-        self._run_weight_pre_hooks()
-        return self._fp8_weights()
 
     def refresh_graphed_weights(self):
         """Rebuilds in place the cached weights that captured CUDA graphs read, where the parameters
@@ -188,7 +152,7 @@ class _FP8ExpertsMixin:
         if not (w1[0].__dict__.get("_fp8a2a_graphed") or w2[0].__dict__.get("_fp8a2a_graphed")):
             return
         with torch.no_grad():
-            for w in self._fp8_weights((w1, w2)):
+            for w in self._fp8_weights():
                 refresh_graphed(w)
 
     def _run_weight_pre_hooks(self):
@@ -221,7 +185,8 @@ class _FP8ExpertsMixin:
         x = permuted_local_hidden_states
         if not isinstance(x, QuantizedTensor) and x.dim() != 2:
             x = x.reshape(-1, x.shape[-1])
-        w1, w2 = self._weights_for_forward()
+        self._run_weight_pre_hooks()  # e.g. Megatron DDP's wait for the overlapped param all-gather
+        w1, w2 = self._fp8_weights()
         return self._fp8a2a_impl.forward_with(w1, w2, x, tokens_per_expert, permuted_probs.reshape(-1)), None
 
 

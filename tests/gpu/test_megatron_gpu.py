@@ -212,68 +212,6 @@ def test_fp8_experts_spec(over):
     compare(over, FP8_EXPERTS_TOL, mine_spec=fm.fp8_experts_spec(moe_spec()), expect=fp8_input)
 
 
-@pytest.mark.parametrize("fp8_dgrad", [False, True], ids=["bf16-dgrad", "fp8-dgrad"])
-def test_fp8_experts_prefetch_their_weights(fp8_dgrad):
-    """The FP8 experts' weight casts start on a side stream in dispatch_preprocess (a step's first
-    micro-batch: after an optimizer step, or with the cached copies dropped): the forward and the
-    backward then build nothing, and the output and every gradient equal bit for bit those of the
-    same layer without the prefetch; up to date copies are not rebuilt."""
-    import fp8a2a.weight_cache as wc
-    over = dict(FP8, fp8a2a_fp8_dgrad=fp8_dgrad)
-    torch.manual_seed(1)
-    mine = build(fm.fp8_experts_spec(moe_spec()), make_config(fm.FP8_ALLTOALL, **over))
-    torch.manual_seed(1)
-    ref = build(fm.fp8_experts_spec(moe_spec()), make_config(fm.FP8_ALLTOALL, **over))
-    ref.load_state_dict(mine.state_dict())
-    ref.token_dispatcher._prefetch_weights = None
-    assert mine.token_dispatcher._prefetch_weights is not None
-    g = torch.Generator(device=DEVICE).manual_seed(7)
-    x = torch.randn(A.seq, A.tokens // A.seq, A.hidden, device=DEVICE, generator=g, dtype=torch.bfloat16)
-    G = torch.randn(x.shape, device=DEVICE, generator=g, dtype=torch.bfloat16)
-    builds, cached, inside = [], wc._cached, [False]
-    mine_params = {id(p) for p in mine.parameters()}
-
-    def counting(weight, kind, build):
-        def counted(sources):
-            builds.append((kind, inside[0], id(sources[0]) in mine_params))
-            return build(sources)
-        return cached(weight, kind, counted)
-
-    prefetch = type(mine.experts).prefetch_fp8_weights
-
-    def marked(self):
-        inside[0] = True
-        try:
-            prefetch(self)
-        finally:
-            inside[0] = False
-    wc._cached = counting
-    type(mine.experts).prefetch_fp8_weights = marked
-    mine.token_dispatcher._prefetch_weights = mine.experts.prefetch_fp8_weights
-    try:
-        backward = True if fp8_dgrad else "stack"
-        for first in ("dropped", "optimizer step", None):
-            if first == "dropped":
-                for p in list(mine.parameters()) + list(ref.parameters()):
-                    p.__dict__.pop("_fp8a2a_cache", None)
-            elif first == "optimizer step":
-                wc.invalidate_fp8_weight_cache()
-            builds.clear()
-            a, b = run(mine, x, G), run(ref, x, G)
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), first
-            assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2]), first
-            mine_builds = sorted(((kind, by_prefetch) for kind, by_prefetch, of_mine in builds if of_mine), key=str)
-            want = sorted([(False, True), (backward, True)] * 2, key=str) if first else []  # fc1, fc2
-            assert mine_builds == want, (first, builds)
-            assert len(builds) == 2 * len(want), (first, builds)  # the reference built the same, in its forward
-            assert "_fp8a2a_ahead" not in mine.experts.__dict__  # the forward took it (and waited for the casts)
-    finally:
-        wc._cached = cached
-        type(mine.experts).prefetch_fp8_weights = prefetch
-    del ref, mine
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("fp8_experts", [False, True], ids=["TEGroupedMLP", "fp8_experts_spec-over-TEGroupedMLP"])
 def test_te_grouped_mlp(fp8_experts):
     """fp8_alltoall with TEGroupedMLP experts (or the FP8 experts spec over them) against alltoall +
