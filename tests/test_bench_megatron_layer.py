@@ -43,3 +43,25 @@ def test_bench_megatron_layer_cpu(tmp_path):
     assert table["fp8_alltoall row + SequentialMLP"]["refresh_ms"] == 0  # nothing cached: BF16 experts
     assert not any("profile" in row for rows in (table, big) for row in rows.values())  # --profile: CUDA only
     assert "fp8_alltoall + fp8_experts_spec" in r.stdout  # the table
+
+
+def test_format_table_reads_a_gpu_run():
+    """The table of a GPU run (results/megatron_layer_h100_1d62e26.json, with --profile) formats again
+    from its JSON: each profiled row's back-to-back burst (idle per step, the recurring gaps) and the
+    first micro-batch's extra kernel time, the profile fields only a CUDA run writes."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_megatron_layer",
+                                                  os.path.join(ROOT, "benchmarks", "bench_megatron_layer.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with open(os.path.join(ROOT, "results", "megatron_layer_h100_1d62e26.json")) as f:
+        res = json.load(f)
+    text = bench.format_table(res)
+    row = res["shapes"][0]["rows"]["fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad"]["profile"]
+    b = row["burst"]
+    assert b["steps"] == 4 and b["busy_ms"] < b["span_ms"] and b["idle_by_pair"]
+    assert f"4 steps back to back: span {b['span_ms']:.2f} ms, busy {b['busy_ms']:.2f}" in text
+    assert f"idle {(b['span_ms'] - b['busy_ms']) / 4:.2f} ms per step" in text
+    assert f"its kernels {row['first_extra_kernel_ms']:+.2f} ms" in text
+    assert text.count("steps back to back: span") == sum(
+        "burst" in (r.get("profile") or {}) for s in res["shapes"] for r in s["rows"].values())
