@@ -216,6 +216,13 @@ def timed_call(v, cuda, first=False, count=False):
     return timed_ms(v.step, cuda)
 
 
+def prepared_step(v):
+    """One step of v after its prepare (the gradients set to None): a burst's step."""
+    if v.prepare is not None:
+        v.prepare()
+    v.step()
+
+
 def timed_burst(v, cuda, n=BURST, count=False):
     """ms per step of n cached steps launched back to back behind one untimed step, as a training loop
     runs the micro-batches after a step's first: no sync between them (prepare before each sets the
@@ -225,13 +232,9 @@ def timed_burst(v, cuda, n=BURST, count=False):
     had already finished it) to the end of the last.
     count: the timed steps are counted in v.recast_calls where a step after prepare would recast TE's
     weights, checked after the burst (outside the timed region: every step of it starts that way)."""
-    def one():
-        if v.prepare is not None:
-            v.prepare()
-        v.step()
     sync(cuda)
-    one()  # untimed: the first of the timed steps is launched behind it, as the rest
-    ms = timed_ms(lambda: [one() for _ in range(n)], cuda, drain=False) / n
+    prepared_step(v)  # untimed: the first of the timed steps is launched behind it, as the rest
+    ms = timed_ms(lambda: [prepared_step(v) for _ in range(n)], cuda, drain=False) / n
     if count and v.recasts is not None:
         if v.prepare is not None:
             v.prepare()
@@ -334,12 +337,7 @@ def profile_row(v, steps=1, burst=0):
            "fp8_cublas_runs_ms": [sum(us for op, us in x["busy_us_by_op"].items() if FP8_CUBLAS.search(op)) / 1e3
                                   for x in cs]}
     if burst:
-        def steps_back_to_back():
-            for _ in range(1 + burst):
-                if v.prepare is not None:
-                    v.prepare()
-                v.step()
-        b = costs.profile_call(steps_back_to_back, warmup=0)
+        b = costs.profile_call(lambda: [prepared_step(v) for _ in range(1 + burst)], warmup=0)
         out["burst"] = {"steps": 1 + burst, "span_ms": b["span_us"] / 1e3, "busy_ms": b["busy_us"] / 1e3,
                         "idle_by_pair": b["idle_by_pair"]}
     if v.first is not None:
@@ -350,7 +348,7 @@ def profile_row(v, steps=1, burst=0):
         f = costs.profile_call(lambda _: v.step(), setup=first_microbatch)
         out["first_busy_ms"] = f["busy_us"] / 1e3
         out["first_extra_busy_ms"] = (f["busy_us"] - c["busy_us"]) / 1e3
-        # the kernels' own time: a cast on a side stream (the FP8 experts' prefetch) overlaps others
+        # the added kernels' own time, whether or not they overlap other work
         out["first_extra_kernel_ms"] = (sum(f["busy_us_by_op"].values()) - sum(c["busy_us_by_op"].values())) / 1e3
     return out
 

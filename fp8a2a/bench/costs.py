@@ -93,22 +93,23 @@ def _all_gaps(work: List[Event]) -> List[tuple]:
     return gaps
 
 
-def _idle_by_pair(work: List[Event], n: int = 8) -> List[dict]:
-    """The device's idle time summed per pair of kernels around it (e.g. the same gap in every step of
-    a profiled burst), the n largest sums, with how many gaps each holds."""
+def _idle_by_pair(gaps: List[tuple], n: int = 8) -> List[dict]:
+    """The device's idle time summed per pair of kernels around it (_all_gaps' gaps; e.g. the same gap
+    in every step of a profiled burst), the n largest sums, with how many gaps each holds."""
     total, times = Counter(), Counter()
-    for us, before, after in _all_gaps(work):
-        total[(_short(before.name), _short(after.name))] += us
-        times[(_short(before.name), _short(after.name))] += 1
+    for us, before, after in gaps:
+        key = (_short(before.name), _short(after.name))
+        total[key] += us
+        times[key] += 1
     return [{"us": us, "gaps": times[k], "before": k[0], "after": k[1]} for k, us in total.most_common(n)]
 
 
-def _gaps(work: List[Event], host: List[Event], n: int = 5) -> List[dict]:
+def _gaps(gaps: List[tuple], host: List[Event], n: int = 5) -> List[dict]:
     """The n longest stretches between the device's first and last event with nothing running:
     their length, the kernels on either side, and the innermost host ranges (aten ops, autograd
     nodes, record_function ranges) open where the gap ends, i.e. what the host was issuing then."""
     out = []
-    for us, before, after in sorted(_all_gaps(work), key=lambda g: -g[0])[:n]:
+    for us, before, after in sorted(gaps, key=lambda g: -g[0])[:n]:
         open_ = sorted((h for h in host if h.start_us <= after.start_us <= h.start_us + h.duration_us
                         and not _CUDA_API.match(h.name)), key=lambda h: h.duration_us)
         out.append({"us": us, "before": _short(before.name), "after": _short(after.name),
@@ -138,12 +139,13 @@ def count(events: Iterable[Event], marker: str = MARKER) -> dict:
     if cut is None and calls["cudaDeviceSynchronize"]:
         calls["cudaDeviceSynchronize"] -= 1
     copies = [n for n in dev if n.startswith(("Memcpy", "Memset"))]
+    gaps = _all_gaps(work)
     return {"syncs": sum(calls.values()), "sync_calls": {k: v for k, v in sorted(calls.items()) if v},
             "d2h": sum(1 for n in copies if n.startswith("Memcpy DtoH")), "kernels": len(dev) - len(copies),
             "copies": len(copies), "launch_calls": sum(1 for n in host if n in LAUNCH_APIS),
             "busy_us": _covered_us(work), "busy_us_by_op": _by_op(work),
             "span_us": (max(e.start_us + e.duration_us for e in work) - min(e.start_us for e in work)) if work else 0.0,
-            "gaps": _gaps(work, host_events), "idle_by_pair": _idle_by_pair(work), "marker": cut is not None}
+            "gaps": _gaps(gaps, host_events), "idle_by_pair": _idle_by_pair(gaps), "marker": cut is not None}
 
 
 def profile_call(fn: Callable[..., object], device=None, warmup: int = 1,
