@@ -182,6 +182,15 @@ def _cached(weight, kind, build):
         return out if _capturing(weight) else _store(sources, cache, kind, key, out)
 
 
+def built_since_optimizer_step(weight: torch.Tensor, kind) -> bool:
+    """Whether a copy of kind (fp8_weight's False / True, dense_weight's "stack") is cached on this
+    parameter (an expert_weights group's first) since the last optimizer step or
+    invalidate_fp8_weight_cache(): a cheap test without the version counters, to start a step's
+    casts ahead of their use; fp8_weight and dense_weight still check everything."""
+    hit = weight.__dict__.get("_fp8a2a_cache", {}).get(kind)
+    return hit is not None and hit[0] is not None and hit[0][1] == _weight_epoch[0]
+
+
 def refresh_graphed(weight: torch.Tensor) -> None:
     """Brings every cached copy of weight that a captured CUDA graph reads up to date, in place,
     by _cached's rule (nothing to do while they are valid). Call it before each replay, once the

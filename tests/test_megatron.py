@@ -722,6 +722,67 @@ def test_fp8_experts_weights_made_once_per_optimizer_step():
     assert run_ranks(1, _fp8_experts_cache) == [True]
 
 
+def _fp8_experts_cast_ahead(rank, world, fp8_dgrad):
+    """A step's first micro-batch casts the FP8 weights (and the dgrad's copy) once, right after the
+    dispatch: before the experts' forward begins. A cached micro-batch casts nothing; the output is
+    the same bytes as with cast_ahead = False (cast at the forward's first use); no cast ahead while
+    a weight owner has a forward pre-hook (it must run first), nor under Megatron's EP overlap."""
+    import fp8a2a.weight_cache as wc
+    init_parallel(world)
+    counts, at_entry = {}, []
+    cached = wc._cached
+
+    def counting(weight, kind, build):
+        def counted(sources):
+            counts[kind] = counts.get(kind, 0) + 1
+            return build(sources)
+        return cached(weight, kind, counted)
+    wc._cached = counting
+    try:
+        torch.manual_seed(1)
+        cfg = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0, fp8a2a_fp8_dgrad=fp8_dgrad)
+        layer = build(moe_spec(8, True), cfg)
+        layer.experts.register_forward_pre_hook(lambda m, args: at_entry.append(dict(counts)))
+        x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
+        once = {False: 2, True: 2} if fp8_dgrad else {False: 2, "stack": 2}
+
+        def micro_batch():
+            counts.clear()
+            y = layer(x.clone().requires_grad_())[0]
+            y.sum().backward()
+            return at_entry[-1], dict(counts), y.detach()
+
+        first, cached_mb = micro_batch(), micro_batch()
+        wc.invalidate_fp8_weight_cache()  # an optimizer step
+        after_step = micro_batch()
+        layer.experts.cast_ahead = False
+        wc.invalidate_fp8_weight_cache()
+        at_use = micro_batch()
+        layer.experts.cast_ahead = True
+        owner = layer.experts.local_experts[0].linear_fc1
+        handle = owner.register_forward_pre_hook(lambda m, args: None)
+        wc.invalidate_fp8_weight_cache()
+        hooked = micro_batch()
+        handle.remove()
+        ok = [first[:2] == (once, once), cached_mb[:2] == ({}, {}), after_step[:2] == (once, once),
+              at_use[:2] == ({}, once), hooked[:2] == ({}, once),
+              all(torch.equal(r[2], first[2]) for r in (after_step, at_use, hooked))]
+        over = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0)
+        over.overlap_moe_expert_parallel_comm = True
+        ok.append(build(moe_spec(8, True), over).token_dispatcher._cast_ahead is None
+                  and layer.token_dispatcher._cast_ahead is layer.experts)
+        return all(ok) or ok
+    finally:
+        wc._cached = cached
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
+@pytest.mark.parametrize("fp8_dgrad", [False, True])
+def test_fp8_experts_cast_weights_right_after_the_dispatch(fp8_dgrad):
+    assert run_ranks(1, _fp8_experts_cast_ahead, fp8_dgrad) == [True]
+
+
 def _fp8_experts_param_gather_hooks(rank, world):
     """Megatron's overlapped param all-gather (overlap_param_gather): the parameters hold stale
     values until a forward pre-hook of the module owning them (DDP's, on every module) waits for

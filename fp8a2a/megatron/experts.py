@@ -117,6 +117,7 @@ class _FP8ExpertsMixin:
     """forward(tokens, tokens_per_expert, probs) -> (y [N, H], None) through FP8GroupedMLP."""
 
     fp8a2a_accepts_quantized = True
+    cast_ahead = True  # cast_weights_ahead: False casts at the forward's first use
 
     def _fp8_setup(self, config, fc1_out, hidden, ffn):
         from ..experts import FP8GroupedMLP  # lazily: written alongside, and it pulls Triton where present
@@ -143,6 +144,31 @@ class _FP8ExpertsMixin:
         from ..experts import expert_weights
         return expert_weights(*self._expert_params(), gradient_accumulation_fusion=bool(
             getattr(self.config, "gradient_accumulation_fusion", False)))
+
+    def cast_weights_ahead(self):
+        """In a step's first micro-batch, builds the cached weight copies this step's GEMMs read
+        (fp8_weight, and the transposed copy or the BF16 stack of the dgrad) before the forward asks
+        for them. The fp8_alltoall dispatcher calls it right after its dispatch is queued: the casts
+        then run on the device while the host goes on to the experts' first GEMM, time in which the
+        device would otherwise wait (the same stream, so nothing else moves). A cached micro-batch
+        costs a few dict lookups. Skipped while a weight owner has forward pre-hooks (Megatron DDP's
+        wait for an overlapped param all-gather must come first; the forward fires them) and with
+        cast_ahead = False (the cast then happens at the forward's first use)."""
+        from ..weight_cache import built_since_optimizer_step, dense_weight, expert_weights, fp8_weight
+        if not self.cast_ahead:
+            return
+        groups = self._expert_params()
+        kinds = (False, True) if self._fp8a2a_impl.fp8_dgrad else (False, "stack")
+        if all(built_since_optimizer_step(g[0], k) for g in groups for k in kinds):
+            return
+        if any(m._forward_pre_hooks for m in self.__dict__.get("_fp8a2a_weight_modules") or self._weight_modules()):
+            return
+        with torch.no_grad():  # the forward's own stand-ins carry the gradients; these only key the cache
+            weights = expert_weights(*groups)
+            for w in weights:
+                fp8_weight(w)
+            for w in weights:
+                fp8_weight(w, transposed=True) if kinds[1] is True else dense_weight(w)
 
     def refresh_graphed_weights(self):
         """Rebuilds in place the cached weights that captured CUDA graphs read, where the parameters
