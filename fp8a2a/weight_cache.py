@@ -182,13 +182,16 @@ def _cached(weight, kind, build):
         return out if _capturing(weight) else _store(sources, cache, kind, key, out)
 
 
-def built_since_optimizer_step(weight: torch.Tensor, kind) -> bool:
-    """Whether a copy of kind (fp8_weight's False / True, dense_weight's "stack") is cached on this
-    parameter (an expert_weights group's first) since the last optimizer step or
-    invalidate_fp8_weight_cache(): a cheap test without the version counters, to start a step's
-    casts ahead of their use; fp8_weight and dense_weight still check everything."""
-    hit = weight.__dict__.get("_fp8a2a_cache", {}).get(kind)
-    return hit is not None and hit[0] is not None and hit[0][1] == _weight_epoch[0]
+def first_call_since_optimizer_step(weight: torch.Tensor) -> bool:
+    """True at the first call for this parameter since the last optimizer step or
+    invalidate_fp8_weight_cache() (or since its cached copies were dropped), then False: one dict
+    lookup, to start a step's casts ahead of their use. fp8_weight and dense_weight still check
+    everything when asked."""
+    cache = weight.__dict__.setdefault("_fp8a2a_cache", {})
+    if cache.get("ahead") == _weight_epoch[0]:
+        return False
+    cache["ahead"] = _weight_epoch[0]
+    return True
 
 
 def refresh_graphed(weight: torch.Tensor) -> None:

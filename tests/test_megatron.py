@@ -724,9 +724,11 @@ def test_fp8_experts_weights_made_once_per_optimizer_step():
 
 def _fp8_experts_cast_ahead(rank, world, fp8_dgrad):
     """A step's first micro-batch casts the FP8 weights (and the dgrad's copy) once, right after the
-    dispatch: before the experts' forward begins. A cached micro-batch casts nothing; the output is
-    the same bytes as with cast_ahead = False (cast at the forward's first use); no cast ahead while
-    a weight owner has a forward pre-hook (it must run first), nor under Megatron's EP overlap."""
+    dispatch: before the experts' forward begins. A cached micro-batch casts nothing; outputs and
+    gradients are the same bytes as with cast_ahead = False (cast at the forward's first use). No
+    cast ahead without a backward (no_grad: nothing but what the forward reads is built), after an
+    in-place weight write within a step (the forward rebuilds), while a forward pre-hook could run
+    first (a weight owner's, the experts', a global one), nor under Megatron's EP overlap."""
     import fp8a2a.weight_cache as wc
     init_parallel(world)
     counts, at_entry = {}, []
@@ -742,36 +744,65 @@ def _fp8_experts_cast_ahead(rank, world, fp8_dgrad):
         torch.manual_seed(1)
         cfg = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0, fp8a2a_fp8_dgrad=fp8_dgrad)
         layer = build(moe_spec(8, True), cfg)
-        layer.experts.register_forward_pre_hook(lambda m, args: at_entry.append(dict(counts)))
+        impl = layer.experts._fp8a2a_impl
+        forward_with = impl.forward_with
+        impl.forward_with = lambda *a, **k: (at_entry.append(dict(counts)), forward_with(*a, **k))[1]
         x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
         once = {False: 2, True: 2} if fp8_dgrad else {False: 2, "stack": 2}
 
-        def micro_batch():
+        def micro_batch(backward=True):
             counts.clear()
-            y = layer(x.clone().requires_grad_())[0]
-            y.sum().backward()
-            return at_entry[-1], dict(counts), y.detach()
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            with torch.set_grad_enabled(backward):
+                y = layer(xi)[0]
+            if backward:
+                y.sum().backward()
+            grads = [xi.grad] + [p.grad for p in layer.parameters()] if backward else []
+            return at_entry[-1], dict(counts), [y.detach()] + grads
 
-        first, cached_mb = micro_batch(), micro_batch()
-        wc.invalidate_fp8_weight_cache()  # an optimizer step
-        after_step = micro_batch()
+        def after_step(hook_on=None):
+            wc.invalidate_fp8_weight_cache()  # an optimizer step
+            handle = hook_on.register_forward_pre_hook(lambda *args: None) if hook_on is not None else None
+            try:
+                return micro_batch()
+            finally:
+                if handle is not None:
+                    handle.remove()
+
+        ok, same = {}, []
+        ok["first"] = micro_batch()
+        ok["cached"] = micro_batch()
+        ok["after_step"] = after_step()
         layer.experts.cast_ahead = False
-        wc.invalidate_fp8_weight_cache()
-        at_use = micro_batch()
+        ok["at_use"] = after_step()
         layer.experts.cast_ahead = True
-        owner = layer.experts.local_experts[0].linear_fc1
-        handle = owner.register_forward_pre_hook(lambda m, args: None)
-        wc.invalidate_fp8_weight_cache()
-        hooked = micro_batch()
+        ok["owner_hook"] = after_step(layer.experts.local_experts[0].linear_fc1)
+        ok["experts_hook"] = after_step(layer.experts)
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+        ok["global_hook"] = after_step()
         handle.remove()
-        ok = [first[:2] == (once, once), cached_mb[:2] == ({}, {}), after_step[:2] == (once, once),
-              at_use[:2] == ({}, once), hooked[:2] == ({}, once),
-              all(torch.equal(r[2], first[2]) for r in (after_step, at_use, hooked))]
+        wc.invalidate_fp8_weight_cache()
+        ok["no_grad"] = micro_batch(backward=False)
+        ok["then_backward"] = micro_batch()
+        with torch.no_grad():
+            layer.experts.local_experts[3].linear_fc2.weight.mul_(1.0)  # a write: a version bump
+        ok["written"] = micro_batch()
+        want = {"first": (once, once), "cached": ({}, {}), "after_step": (once, once), "at_use": ({}, once),
+                "owner_hook": ({}, once), "experts_hook": ({}, once), "global_hook": ({}, once),
+                "no_grad": ({}, {False: 2}), "then_backward": (({True: 2} if fp8_dgrad else {"stack": 2}),) * 2,
+                "written": ({}, {False: 1, True: 1} if fp8_dgrad else {False: 1, "stack": 1})}
+        bad = {k: v[:2] for k, v in ok.items() if v[:2] != want[k]}
+        ref = ok["first"][2]
+        for k, v in ok.items():  # outputs, and with a backward every gradient, bit for bit
+            if len(v[2]) != len(ref) and k != "no_grad" or not all(torch.equal(a, b) for a, b in zip(v[2], ref)):
+                bad[k + " values"] = False
         over = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0)
         over.overlap_moe_expert_parallel_comm = True
-        ok.append(build(moe_spec(8, True), over).token_dispatcher._cast_ahead is None
-                  and layer.token_dispatcher._cast_ahead is layer.experts)
-        return all(ok) or ok
+        if build(moe_spec(8, True), over).token_dispatcher._cast_ahead is not None or \
+                layer.token_dispatcher._cast_ahead is not layer.experts:
+            bad["overlap"] = False
+        return not bad or bad
     finally:
         wc._cached = cached
         ps.destroy_model_parallel()

@@ -146,29 +146,36 @@ class _FP8ExpertsMixin:
             getattr(self.config, "gradient_accumulation_fusion", False)))
 
     def cast_weights_ahead(self):
-        """In a step's first micro-batch, builds the cached weight copies this step's GEMMs read
-        (fp8_weight, and the transposed copy or the BF16 stack of the dgrad) before the forward asks
-        for them. The fp8_alltoall dispatcher calls it right after its dispatch is queued: the casts
-        then run on the device while the host goes on to the experts' first GEMM, time in which the
-        device would otherwise wait (the same stream, so nothing else moves). A cached micro-batch
-        costs a few dict lookups. Skipped while a weight owner has forward pre-hooks (Megatron DDP's
-        wait for an overlapped param all-gather must come first; the forward fires them) and with
-        cast_ahead = False (the cast then happens at the forward's first use)."""
-        from ..weight_cache import built_since_optimizer_step, dense_weight, expert_weights, fp8_weight
-        if not self.cast_ahead:
+        """In a step's first micro-batch that will run a backward, builds the cached weight copies
+        this step's GEMMs read (fp8_weight, and the dgrad's transposed copy or BF16 stack) before
+        the forward asks for them. The fp8_alltoall dispatcher calls it right after its dispatch is
+        queued: the casts then run on the device while the host goes on to the experts' first GEMM,
+        time in which the device would otherwise wait (the same stream: nothing else moves). Other
+        micro-batches cost one dict lookup. Skipped while a forward pre-hook could run first at the
+        experts' call (on a weight owner, the experts or globally: Megatron DDP registers one on
+        every module under overlap_param_gather, to wait for the parameters' all-gather), and with
+        cast_ahead = False (the forward then casts at its first use)."""
+        from torch.nn.modules import module as nn_module
+        from ..weight_cache import dense_weight, expert_weights, first_call_since_optimizer_step, fp8_weight
+        if not (self.cast_ahead and torch.is_grad_enabled()):  # no backward: the forward builds what it reads
+            return
+        first = self.__dict__.get("_fp8a2a_first_weight")
+        if first is not None and not first_call_since_optimizer_step(first):
             return
         groups = self._expert_params()
-        kinds = (False, True) if self._fp8a2a_impl.fp8_dgrad else (False, "stack")
-        if all(built_since_optimizer_step(g[0], k) for g in groups for k in kinds):
-            return
-        if any(m._forward_pre_hooks for m in self.__dict__.get("_fp8a2a_weight_modules") or self._weight_modules()):
+        if first is not groups[0][0]:  # the first call, or a parameter replaced
+            first = self.__dict__["_fp8a2a_first_weight"] = groups[0][0]
+            if not first_call_since_optimizer_step(first):
+                return
+        modules = self.__dict__.get("_fp8a2a_weight_modules") or self._weight_modules()
+        if nn_module._global_forward_pre_hooks or self._forward_pre_hooks or any(m._forward_pre_hooks for m in modules):
             return
         with torch.no_grad():  # the forward's own stand-ins carry the gradients; these only key the cache
             weights = expert_weights(*groups)
             for w in weights:
                 fp8_weight(w)
             for w in weights:
-                fp8_weight(w, transposed=True) if kinds[1] is True else dense_weight(w)
+                fp8_weight(w, transposed=True) if self._fp8a2a_impl.fp8_dgrad else dense_weight(w)
 
     def refresh_graphed_weights(self):
         """Rebuilds in place the cached weights that captured CUDA graphs read, where the parameters
