@@ -188,9 +188,10 @@ def first_call_since_optimizer_step(weight: torch.Tensor) -> bool:
     lookup, to start a step's casts ahead of their use. fp8_weight and dense_weight still check
     everything when asked."""
     cache = weight.__dict__.setdefault("_fp8a2a_cache", {})
-    if cache.get("ahead") == _weight_epoch[0]:
+    mark = weight.__dict__.get("_fp8a2a_ahead")  # (epoch, the cache dict then: a dropped cache is new)
+    if mark is not None and mark[0] == _weight_epoch[0] and mark[1] is cache:
         return False
-    cache["ahead"] = _weight_epoch[0]
+    weight.__dict__["_fp8a2a_ahead"] = (_weight_epoch[0], cache)
     return True
 
 
