@@ -12,8 +12,7 @@ within 1.15x. Rows (TEGroupedMLP experts unless named): alltoall TE BF16; alltoa
 (the baseline of the ratios); alltoall TE FP8 tensorwise (current scaling); fp8_alltoall + TE FP8
 blockwise with row and with the default (block128), under tensorwise with the default (row) and
 tensor; fp8_alltoall + fp8_experts_spec (default, fp8_dgrad, fp8_dgrad +
-fp8_wgrad; and the last casting its weights at the forward's first use, cast_ahead = False, where
-the others cast them right after the dispatch). Timing: CUDA events around forward + backward only, `--iters` iterations after
+fp8_wgrad). Timing: CUDA events around forward + backward only, `--iters` iterations after
 warm-up, the variants of a shape interleaved (rotating order); `--repeat` times the shape's table
 again in the process: medians and min-max of the per-run medians, ratios per run against the
 baseline of that run. Both sides are timed as Megatron runs a micro-batch after a step's first:
@@ -72,9 +71,6 @@ VARIANTS = {
     "fp8_alltoall default (row) + TE FP8 tensorwise": ("fp8_alltoall", "te", "tensorwise", {}),
     "fp8_alltoall tensor + TE FP8 tensorwise": ("fp8_alltoall", "te", "tensorwise", {"granularity": "tensor"}),
     **{f"fp8_alltoall + fp8_experts_spec{k}": ("fp8_alltoall", "fp8", None, v) for k, v in OPTIONS.items()},
-    # the same experts casting their weights at the forward's first use, not right after the dispatch
-    "fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad, cast at first use": (
-        "fp8_alltoall", "fp8", None, {**OPTIONS[" fp8_dgrad+wgrad"], "cast_ahead": False}),
 }
 CPU_VARIANTS = {"fp8_alltoall row + SequentialMLP": ("fp8_alltoall", "local", None, {}),
                 **{k: v for k, v in VARIANTS.items() if v[1] == "fp8"}}
@@ -115,8 +111,6 @@ def make_layer(shape, dispatcher, experts, recipe, opts, cuda, ep=1):
     if recipe:
         kw.update(fp8="e4m3", fp8_recipe=recipe, moe_router_padding_for_quantization=True)
     cfg = TransformerConfig(**kw)
-    opts = dict(opts)
-    cast_ahead = opts.pop("cast_ahead", True)  # the FP8 experts' attribute, not an fp8a2a option
     # the experts named: under a TE FP8 recipe a run that names none gets the FP8 experts
     for k, v in {"bf16_below_bytes": 0, "experts": "fp8" if experts == "fp8" else "megatron", **opts}.items():
         setattr(cfg, "fp8a2a_" + k, v)
@@ -125,10 +119,7 @@ def make_layer(shape, dispatcher, experts, recipe, opts, cuda, ep=1):
         spec = fm.fp8_experts_spec(spec)
     if not cuda:
         spec = with_portable_router(spec)
-    layer = build_layer(spec, cfg).to("cuda" if cuda else "cpu")
-    if experts == "fp8":
-        layer.experts.cast_ahead = cast_ahead
-    return layer, cfg
+    return build_layer(spec, cfg).to("cuda" if cuda else "cpu"), cfg
 
 
 def layer_variant(name, layer, cfg, x, gy):

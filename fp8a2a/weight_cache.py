@@ -182,19 +182,6 @@ def _cached(weight, kind, build):
         return out if _capturing(weight) else _store(sources, cache, kind, key, out)
 
 
-def first_call_since_optimizer_step(weight: torch.Tensor) -> bool:
-    """True at the first call for this parameter since the last optimizer step or
-    invalidate_fp8_weight_cache() (or since its cached copies were dropped), then False: one dict
-    lookup, to start a step's casts ahead of their use. fp8_weight and dense_weight still check
-    everything when asked."""
-    cache = weight.__dict__.setdefault("_fp8a2a_cache", {})
-    mark = weight.__dict__.get("_fp8a2a_ahead")  # (epoch, the cache dict then: a dropped cache is new)
-    if mark is not None and mark[0] == _weight_epoch[0] and mark[1] is cache:
-        return False
-    weight.__dict__["_fp8a2a_ahead"] = (_weight_epoch[0], cache)
-    return True
-
-
 def refresh_graphed(weight: torch.Tensor) -> None:
     """Brings every cached copy of weight that a captured CUDA graph reads up to date, in place,
     by _cached's rule (nothing to do while they are valid). Call it before each replay, once the

@@ -7,7 +7,6 @@ match it to float32 rounding; FP8 runs stay within the e4m3 bound of their path 
 Megatron assumes CUDA in two places on CPU, worked around in fp8a2a.megatron.standalone (plain-torch
 router gating; CPU current_device in the child processes)."""
 import argparse
-import contextlib
 import functools
 import os
 import sys
@@ -680,11 +679,13 @@ def _fp8_experts_errors(rank, world):
         ps.destroy_model_parallel()
 
 
-@contextlib.contextmanager
-def counting_casts():
-    """{kind: builds} of the cached weight copies (weight_cache._cached's builds) while inside."""
+def _fp8_experts_cache(rank, world):
+    """FP8 experts over several micro-batches: the FP8 weights (and the BF16 stack of the BF16
+    dgrad) are made once, again after an optimizer step and after a weight write."""
     import fp8a2a.weight_cache as wc
-    counts, cached = {}, wc._cached
+    init_parallel(world)
+    counts = {}
+    cached = wc._cached
 
     def counting(weight, kind, build):
         def counted(sources):
@@ -693,126 +694,32 @@ def counting_casts():
         return cached(weight, kind, counted)
     wc._cached = counting
     try:
-        yield counts
-    finally:
-        wc._cached = cached
-
-
-def _fp8_experts_cache(rank, world):
-    """FP8 experts over several micro-batches: the FP8 weights (and the BF16 stack of the BF16
-    dgrad) are made once, again after an optimizer step and after a weight write."""
-    init_parallel(world)
-    try:
-        with counting_casts() as counts:
-            torch.manual_seed(1)
-            layer = build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0))
-            opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # fused: no version bumps
-            x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
-            once = {False: 2, "stack": 2}  # fc1 and fc2: FP8 forward weights, BF16 stack for the dgrad
-            seen = []
-            for step in range(2):
-                for _ in range(3):
-                    layer(x.clone().requires_grad_())[0].sum().backward()
-                seen.append(dict(counts))
-                counts.clear()
-                if step == 0:
-                    opt.step()
-            with torch.no_grad():
-                layer.experts.local_experts[3].linear_fc2.weight.add_(0.1)
-            layer(x.clone().requires_grad_())[0].sum().backward()
+        torch.manual_seed(1)
+        layer = build(moe_spec(8, True), make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0))
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3, fused=True)  # fused: no version bumps
+        x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
+        once = {False: 2, "stack": 2}  # fc1 and fc2: FP8 forward weights, BF16 stack for the dgrad
+        seen = []
+        for step in range(2):
+            for _ in range(3):
+                layer(x.clone().requires_grad_())[0].sum().backward()
             seen.append(dict(counts))
+            counts.clear()
+            if step == 0:
+                opt.step()
+        with torch.no_grad():
+            layer.experts.local_experts[3].linear_fc2.weight.add_(0.1)
+        layer(x.clone().requires_grad_())[0].sum().backward()
+        seen.append(dict(counts))
         return seen == [once, once, {False: 1, "stack": 1}] or seen
     finally:
+        wc._cached = cached
         ps.destroy_model_parallel()
 
 
 @pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
 def test_fp8_experts_weights_made_once_per_optimizer_step():
     assert run_ranks(1, _fp8_experts_cache) == [True]
-
-
-def _fp8_experts_cast_ahead(rank, world, fp8_dgrad):
-    """A step's first micro-batch casts the FP8 weights (and the dgrad's copy) once, right after the
-    dispatch: before the experts' forward begins. A cached micro-batch casts nothing; outputs and
-    gradients are the same bytes as with cast_ahead = False (cast at the forward's first use). No
-    cast ahead without a backward (no_grad: nothing but what the forward reads is built), after an
-    in-place weight write within a step (the forward rebuilds), while a forward pre-hook could run
-    first (a weight owner's, the experts', a global one), nor under Megatron's EP overlap."""
-    import fp8a2a.weight_cache as wc
-    init_parallel(world)
-    at_entry = []
-    try:
-        with counting_casts() as counts:
-            torch.manual_seed(1)
-            cfg = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0, fp8a2a_fp8_dgrad=fp8_dgrad)
-            layer = build(moe_spec(8, True), cfg)
-            impl = layer.experts._fp8a2a_impl
-            forward_with = impl.forward_with
-            impl.forward_with = lambda *a, **k: (at_entry.append(dict(counts)), forward_with(*a, **k))[1]
-            x = torch.randn(6, 2, 128, generator=torch.Generator().manual_seed(0))
-            once = {False: 2, True: 2} if fp8_dgrad else {False: 2, "stack": 2}
-
-            def micro_batch(backward=True):
-                counts.clear()
-                layer.zero_grad(set_to_none=True)
-                xi = x.clone().requires_grad_()
-                with torch.set_grad_enabled(backward):
-                    y = layer(xi)[0]
-                if backward:
-                    y.sum().backward()
-                grads = [xi.grad] + [p.grad for p in layer.parameters()] if backward else []
-                return at_entry[-1], dict(counts), [y.detach()] + grads
-
-            def after_step(hook_on=None):
-                wc.invalidate_fp8_weight_cache()  # an optimizer step
-                handle = hook_on.register_forward_pre_hook(lambda *args: None) if hook_on is not None else None
-                try:
-                    return micro_batch()
-                finally:
-                    if handle is not None:
-                        handle.remove()
-
-            ok = {}
-            ok["first"] = micro_batch()
-            ok["cached"] = micro_batch()
-            ok["after_step"] = after_step()
-            layer.experts.cast_ahead = False
-            ok["at_use"] = after_step()
-            layer.experts.cast_ahead = True
-            ok["owner_hook"] = after_step(layer.experts.local_experts[0].linear_fc1)
-            ok["experts_hook"] = after_step(layer.experts)
-            handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
-            ok["global_hook"] = after_step()
-            handle.remove()
-            wc.invalidate_fp8_weight_cache()
-            ok["no_grad"] = micro_batch(backward=False)
-            ok["then_backward"] = micro_batch()
-            with torch.no_grad():
-                layer.experts.local_experts[3].linear_fc2.weight.mul_(1.0)  # a write: a version bump
-            ok["written"] = micro_batch()
-            want = {"first": (once, once), "cached": ({}, {}), "after_step": (once, once), "at_use": ({}, once),
-                    "owner_hook": ({}, once), "experts_hook": ({}, once), "global_hook": ({}, once),
-                    "no_grad": ({}, {False: 2}), "then_backward": (({True: 2} if fp8_dgrad else {"stack": 2}),) * 2,
-                    "written": ({}, {False: 1, True: 1} if fp8_dgrad else {False: 1, "stack": 1})}
-            bad = {k: v[:2] for k, v in ok.items() if v[:2] != want[k]}
-            ref = ok["first"][2]
-            for k, v in ok.items():  # outputs, and with a backward every gradient, bit for bit
-                if len(v[2]) != len(ref) and k != "no_grad" or not all(torch.equal(a, b) for a, b in zip(v[2], ref)):
-                    bad[k + " values"] = False
-            over = make_config(fm.FP8_ALLTOALL, fp8a2a_bf16_below_bytes=0)
-            over.overlap_moe_expert_parallel_comm = True
-            if build(moe_spec(8, True), over).token_dispatcher._cast_ahead is not None or \
-                    layer.token_dispatcher._cast_ahead is not layer.experts:
-                bad["overlap"] = False
-            return not bad or bad
-    finally:
-        ps.destroy_model_parallel()
-
-
-@pytest.mark.skipif(not HAVE_FP8_EXPERTS, reason="fp8a2a.experts (FP8GroupedMLP) is not in this tree")
-@pytest.mark.parametrize("fp8_dgrad", [False, True])
-def test_fp8_experts_cast_weights_right_after_the_dispatch(fp8_dgrad):
-    assert run_ranks(1, _fp8_experts_cast_ahead, fp8_dgrad) == [True]
 
 
 def _fp8_experts_param_gather_hooks(rank, world):

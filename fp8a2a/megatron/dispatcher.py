@@ -7,10 +7,7 @@ one, possibly on different streams, and may detach and free the tensors passed b
                                               [T, K]; keeps x and topk_idx; returns (x carrier, weights)
   token_dispatch(carrier, weights)            the exchange: fp8a2a.Dispatcher.dispatch (quantize+pack,
                                               counts, one host sync (none in the capacity mode), rows,
-                                              unpack); keeps the result; then, in a step's first
-                                              micro-batch, the FP8 experts' weight casts (their
-                                              cast_weights_ahead: the device runs them while the
-                                              host reaches the experts' first GEMM);
+                                              unpack); keeps the result;
                                               returns (rows carrier, received router weights [N])
   dispatch_postprocess(carrier, weights)      local only: the rows for the experts, FP8
                                               (QuantizedTensor, when the experts take it) or dequantized
@@ -212,7 +209,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._group = group
         self._dispatcher = None  # built by set_experts: Dispatcher() runs one collective (its options' agreement)
         self.deliver_fp8 = False
-        self._cast_ahead = None
         self.shared_experts = None
 
         # state between stages
@@ -250,10 +246,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         pad = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         self.options = replace(options, dispatcher=replace(options.dispatcher, expert_tp_size=self.tp_size))
         self.deliver_fp8, self.capacity_factor = fp8_experts, factor
-        # the experts whose weight casts start right after the dispatch (token_dispatch); not under
-        # Megatron's EP overlap, which runs the dispatch on its communication stream
-        self._cast_ahead = experts if fp8_experts and hasattr(experts, "cast_weights_ahead") and not getattr(
-            config, "overlap_moe_expert_parallel_comm", False) else None
         self.router_applies_capacity, self.strip_capacity_padding = router_applies, router_applies and pad
         self._dispatcher = Dispatcher(self.num_experts, group=self._group, config=self.options.dispatcher)
         return self._dispatcher
@@ -301,8 +293,6 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
         self._shared("wait_current_stream")
         out = self.dispatcher.dispatch(x, self._topk_idx, weights)
         self._out, self._handle = out, out.handle
-        if self._cast_ahead is not None and not capturing(x.device):
-            self._cast_ahead.cast_weights_ahead()
         if isinstance(out.tokens, QuantizedTensor):
             carrier = out.tokens.grad_anchor
         else:

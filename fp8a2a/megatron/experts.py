@@ -117,7 +117,6 @@ class _FP8ExpertsMixin:
     """forward(tokens, tokens_per_expert, probs) -> (y [N, H], None) through FP8GroupedMLP."""
 
     fp8a2a_accepts_quantized = True
-    cast_ahead = True  # cast_weights_ahead: False casts at the forward's first use
 
     def _fp8_setup(self, config, fc1_out, hidden, ffn):
         from ..experts import FP8GroupedMLP  # lazily: written alongside, and it pulls Triton where present
@@ -144,38 +143,6 @@ class _FP8ExpertsMixin:
         from ..experts import expert_weights
         return expert_weights(*self._expert_params(), gradient_accumulation_fusion=bool(
             getattr(self.config, "gradient_accumulation_fusion", False)))
-
-    def cast_weights_ahead(self):
-        """In a step's first micro-batch that will run a backward, builds the cached weight copies
-        this step's GEMMs read (fp8_weight, and the dgrad's transposed copy or BF16 stack) before
-        the forward asks for them. The fp8_alltoall dispatcher calls it right after its dispatch is
-        queued: the casts then run on the device while the host goes on to the experts' first GEMM,
-        time in which the device would otherwise wait (the same stream: nothing else moves). Other
-        micro-batches cost one dict lookup. Skipped while a forward pre-hook could run first at the
-        experts' call (on a weight owner, the experts or globally: Megatron DDP registers one on
-        every module under overlap_param_gather, to wait for the parameters' all-gather), and with
-        cast_ahead = False (the forward then casts at its first use)."""
-        from torch.nn.modules import module as nn_module
-        from ..weight_cache import dense_weight, expert_weights, first_call_since_optimizer_step, fp8_weight
-        if not (self.cast_ahead and torch.is_grad_enabled()):  # no backward: the forward builds what it reads
-            return
-        first = self.__dict__.get("_fp8a2a_first_weight")
-        if first is not None and not first_call_since_optimizer_step(first):
-            return
-        groups = self._expert_params()
-        if first is not groups[0][0]:  # the first call, or a parameter replaced
-            first = self.__dict__["_fp8a2a_first_weight"] = groups[0][0]
-            if not first_call_since_optimizer_step(first):
-                return
-        modules = self.__dict__.get("_fp8a2a_weight_modules") or self._weight_modules()
-        if nn_module._global_forward_pre_hooks or self._forward_pre_hooks or any(m._forward_pre_hooks for m in modules):
-            return
-        with torch.no_grad():  # the forward's own stand-ins carry the gradients; these only key the cache
-            weights = expert_weights(*groups)
-            for w in weights:
-                fp8_weight(w)
-            for w in weights:
-                fp8_weight(w, transposed=True) if self._fp8a2a_impl.fp8_dgrad else dense_weight(w)
 
     def refresh_graphed_weights(self):
         """Rebuilds in place the cached weights that captured CUDA graphs read, where the parameters
