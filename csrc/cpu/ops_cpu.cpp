@@ -454,6 +454,27 @@ std::tuple<Tensor, Tensor> combine_backward_rows_cpu(const Tensor& data, const s
 }
 
 
+// The semantics of the row-scaled per-expert GEMMs: each operand dequantized (a's rows times their
+// scale, b[e]'s rows times theirs), one float32 matmul per expert, rounded to bfloat16 once (the
+// product fp8a2a/experts.py's reference backend computes). cuBLAS's accumulation order differs, so
+// the CUDA op matches this one to a tolerance, not to the byte.
+Tensor mm_fp8_per_expert_cpu(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
+                             at::IntArrayRef counts, bool /*fast_accum: cuBLAS's, no effect here*/) {
+  check_mm_fp8_per_expert(a, scale_a, b, scale_b, counts);
+  auto out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kBFloat16));
+  int64_t start = 0;
+  for (int64_t e = 0; e < b.size(0); ++e) {
+    const int64_t n = counts[e];
+    if (n > 0) {
+      auto x = a.narrow(0, start, n).to(at::kFloat) * scale_a.narrow(0, start, n).unsqueeze(1);
+      auto w = b[e].to(at::kFloat) * scale_b[e].unsqueeze(1);
+      out.narrow(0, start, n).copy_(at::matmul(x, w.t()));
+    }
+    start += n;
+  }
+  return out;
+}
+
 // The semantics of the FP8 weight gradient's per-expert GEMMs: each operand dequantized (its e4m3
 // values times the scale of their 128-column block), one float32 matmul per expert (the product
 // fp8a2a/experts.py's _wgrad_fp8_reference emulates from its own quantization). cuBLAS's
