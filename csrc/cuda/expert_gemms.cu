@@ -109,14 +109,19 @@ struct LtGemm {
     int found = 0;
     check_lt(cublasLtMatmulAlgoGetHeuristic(handle, desc.h, la.h, lb.h, lc.h, lc.h, pref.h, 1, &result, &found), op,
              "cublasLtMatmulAlgoGetHeuristic");
-    TORCH_CHECK(found > 0, "fp8a2a: ", op, ": cuBLASLt has no algorithm for this scaled FP8 GEMM");
+    uint64_t rows = 0, cols = 0, m = 0;
+    size_t size = 0;
+    cublasLtMatrixLayoutGetAttribute(la.h, CUBLASLT_MATRIX_LAYOUT_ROWS, &rows, sizeof(rows), &size);
+    cublasLtMatrixLayoutGetAttribute(la.h, CUBLASLT_MATRIX_LAYOUT_COLS, &m, sizeof(m), &size);
+    cublasLtMatrixLayoutGetAttribute(lb.h, CUBLASLT_MATRIX_LAYOUT_COLS, &cols, sizeof(cols), &size);
+    TORCH_CHECK(found > 0, "fp8a2a: ", op, ": cuBLASLt has no algorithm for this scaled FP8 GEMM at m=", m, " n=",
+                cols, " k=", rows);
     return result.algo;
   }
 
   // D = op(A) B with the cached algorithm of `key` (found by `find` on a miss). Where cuBLASLt refuses
   // it for this problem's leading dimensions or sizes, the heuristic's for the problem as set runs
-  // instead, uncached: the cache holds only `find`'s answers, so the same inputs give the same bytes
-  // whatever a process ran before.
+  // instead, uncached: the cache holds only `find`'s answers.
   template <typename Find>
   void run(const AlgoKey& key, Find&& find, const void* a, const void* b, void* d) {
     const float alpha = 1.0f, beta = 0.0f;
@@ -124,7 +129,12 @@ struct LtGemm {
     {
       std::lock_guard<std::mutex> lock(algo_mutex);
       auto it = algo_cache.find(key);
-      algo = it != algo_cache.end() ? it->second : (algo_cache[key] = find());
+      if (it != algo_cache.end()) {
+        algo = it->second;
+      } else {
+        algo = find();
+        algo_cache.emplace(key, algo);
+      }
     }
     auto matmul = [&] {
       return cublasLtMatmul(handle, desc.h, &alpha, a, la.h, b, lb.h, &beta, d, lc.h, d, lc.h, &algo, ws, ws_size,
@@ -142,6 +152,18 @@ struct LtGemm {
 constexpr int kWgrad = 0, kRowScaled = 1, kRowScaledFastAccum = 2;  // AlgoKey's op kinds
 constexpr int64_t kRowsBucket = 128;  // mm_fp8_per_expert: experts' rows of one cached algorithm
 
+// Segments of a float vector copied to new offsets in one launch: mm_fp8_per_expert's row scales
+// moved so that every expert's starts on 16 bytes (one block per segment).
+constexpr int kMaxSegments = 128;  // per launch: the parameters stay within a kernel's 4 KiB
+struct Segments {
+  int64_t src[kMaxSegments], dst[kMaxSegments], n[kMaxSegments];
+};
+
+__global__ void copy_segments_kernel(const float* __restrict__ src, float* __restrict__ dst, Segments s) {
+  const int64_t from = s.src[blockIdx.x], to = s.dst[blockIdx.x], n = s.n[blockIdx.x];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[to + i] = src[from + i];
+}
+
 }  // namespace
 
 Tensor mm_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
@@ -150,7 +172,8 @@ Tensor mm_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const Tens
   const c10::cuda::CUDAGuard guard(a.device());
   const int64_t M = a.size(0), K = a.size(1), E = b.size(0), N = b.size(1);
   auto out = at::empty({M, N}, a.options().dtype(at::kBFloat16));
-  if (M == 0) return out;
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();  // no GEMM: an empty sum
   // cuBLASLt's FP8 GEMMs: dimensions and addresses in 16 bytes (a RuntimeError: experts.py falls back)
   TORCH_CHECK(K % 16 == 0 && N % 16 == 0 && aligned16(a.data_ptr()) && aligned16(b.data_ptr()) &&
                   aligned16(scale_b.data_ptr()),
@@ -162,9 +185,9 @@ Tensor mm_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const Tens
   // A = b[e] (k x m, ld K, transposed), B = a's rows (k x n, ld K). A's scales are one per output
   // channel (scale_b[e], m of them), B's one per row (scale_a's, n of them), each vector on 16 bytes.
   g.layouts(K, N, K, 1, K, CUDA_R_16BF);
-  // Each expert's row scales start on 16 bytes (cuBLASLt's scale vectors), or scale_a is copied once
-  // with every expert's start rounded up to 4 floats (never under a TE FP8 recipe, which pads the
-  // counts to 16).
+  // Each expert's row scales start on 16 bytes (cuBLASLt's scale vectors), or scale_a is copied by one
+  // launch with every expert's start rounded up to 4 floats (not under a TE FP8 recipe, which pads
+  // the counts to 16).
   const float* sa = scale_a.data_ptr<float>();
   std::vector<int64_t> sa_start(E);
   bool starts_aligned = aligned16(sa);
@@ -176,12 +199,23 @@ Tensor mm_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const Tens
   if (!starts_aligned) {
     sa_copy = at::empty({M + 3 * E}, scale_a.options());
     float* dst = sa_copy.data_ptr<float>();
-    for (int64_t e = 0, at_ = 0; e < E; ++e) {
-      if (counts[e])
-        C10_CUDA_CHECK(cudaMemcpyAsync(dst + at_, sa + sa_start[e], counts[e] * sizeof(float),
-                                       cudaMemcpyDeviceToDevice, g.stream));
-      sa_start[e] = at_;
-      at_ += (counts[e] + 3) / 4 * 4;
+    Segments seg;
+    int used = 0;
+    for (int64_t e = 0, to = 0; e < E; ++e) {
+      if (counts[e]) {
+        seg.src[used] = sa_start[e], seg.dst[used] = to, seg.n[used] = counts[e];
+        if (++used == kMaxSegments) {
+          copy_segments_kernel<<<used, 256, 0, g.stream>>>(sa, dst, seg);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          used = 0;
+        }
+      }
+      sa_start[e] = to;
+      to += (counts[e] + 3) / 4 * 4;
+    }
+    if (used) {
+      copy_segments_kernel<<<used, 256, 0, g.stream>>>(sa, dst, seg);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     sa = dst;
   }
