@@ -59,6 +59,12 @@ std::tuple<Tensor, Tensor> capacity_drop_cpu(const Tensor& topk_idx, const Tenso
 std::tuple<Tensor, Tensor> capacity_drop_cuda(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
                                               int64_t capacity);
 
+// Megatron's dense routing as top-k slots: see ops.cpp.
+std::tuple<Tensor, Tensor> routing_map_to_topk_cpu(const Tensor& routing_map, const Tensor& probs, int64_t topk,
+                                                   bool drop_zero);
+std::tuple<Tensor, Tensor> routing_map_to_topk_cuda(const Tensor& routing_map, const Tensor& probs, int64_t topk,
+                                                    bool drop_zero);
+
 // One row-scaled FP8 GEMM per expert (the forward, the FP8 dgrad): see ops.cpp.
 Tensor mm_fp8_per_expert_cpu(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
                              at::IntArrayRef counts, bool fast_accum);
@@ -201,6 +207,21 @@ inline int64_t check_dequantize(const Tensor& data, const Tensor& scale, at::Sca
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == T && scale.size(1) * kBlock == H,
               "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
   return kBlock;
+}
+
+// routing_map_to_topk: a contiguous bool [T, E] map and contiguous float [T, E] probs on one
+// device, topk >= 1. Returns the slots per token: min(topk, E), at least 1.
+inline int64_t check_routing_map_to_topk(const Tensor& routing_map, const Tensor& probs, int64_t topk) {
+  TORCH_CHECK_VALUE(routing_map.dim() == 2 && routing_map.scalar_type() == at::kBool && routing_map.is_contiguous(),
+                    "fp8a2a: routing_map_to_topk needs a contiguous bool [tokens, experts] routing map, got ",
+                    routing_map.sizes(), " ", routing_map.scalar_type());
+  TORCH_CHECK_VALUE(probs.sizes() == routing_map.sizes() && probs.is_floating_point() && probs.is_contiguous(),
+                    "fp8a2a: routing_map_to_topk needs contiguous float probs of the routing map's shape ",
+                    routing_map.sizes(), ", got ", probs.sizes(), " ", probs.scalar_type());
+  TORCH_CHECK_VALUE(probs.device() == routing_map.device(), "fp8a2a: routing_map_to_topk: probs are on ",
+                    probs.device(), ", the routing map on ", routing_map.device());
+  TORCH_CHECK_VALUE(topk >= 1, "fp8a2a: routing_map_to_topk: topk must be at least 1, got ", topk);
+  return std::max<int64_t>(1, std::min<int64_t>(topk, routing_map.size(1)));
 }
 
 // mm_fp8_per_expert: a [M, K] and b [E, N, K] e4m3, contiguous; scale_a float32 [M] and scale_b

@@ -28,6 +28,7 @@
 //   combine_pack      1
 //   combine_unpack    1
 //   combine_backward_rows 1 (a warp per row)
+//   routing_map_to_topk 1 (a thread per token)
 //   mm_fp8_per_expert one cuBLASLt GEMM per expert with rows; a copy of the row scales first
 //                     (1 kernel) where an expert's start is off 16 bytes (csrc/cuda/expert_gemms.cu)
 //   wgrad_fp8_per_expert  one cuBLASLt GEMM per expert with columns (a memset for one without),
