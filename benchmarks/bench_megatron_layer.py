@@ -75,9 +75,10 @@ VARIANTS = {
 }
 CPU_VARIANTS = {"fp8_alltoall row + SequentialMLP": ("fp8_alltoall", "local", None, {}),
                 **{k: v for k, v in VARIANTS.items() if v[1] == "fp8"}}
-# the all-FP8 experts with their per-expert GEMMs (forward, FP8 dgrad) as a Python loop of
-# torch._scaled_mm, as before ops.mm_fp8_per_expert launched them from one call: an A/B in one process
-SCALED_MM_LOOP = "fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad, torch._scaled_mm loop"
+# the all-FP8 experts on the host path they had before ops.mm_fp8_per_expert and
+# ops.routing_map_to_topk: the per-expert GEMMs (forward, FP8 dgrad) as a Python loop of
+# torch._scaled_mm, the routing map turned into top-k slots by six torch ops; an A/B in one process
+SCALED_MM_LOOP = "fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad, torch._scaled_mm loop + six-op routing"
 VARIANTS[SCALED_MM_LOOP] = VARIANTS["fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad"]
 # name: (tokens, experts, top-k, hidden, ffn, the rows' kind: table | big)
 GPU_SHAPES = {"4096 tok x 8 experts top-8 (EP=32)": (4096, 8, 8, 7168, 2048, "table"),
@@ -180,14 +181,18 @@ def _scaled_mm_loop(a, sa, wq, sw, counts, fast_accum):
 
 
 def with_scaled_mm_loop(step):
+    """step on the SCALED_MM_LOOP row's host path (the functions patched in for its calls only)."""
     from fp8a2a import experts
+    from fp8a2a.megatron import dispatcher
+    from fp8a2a.reference import routing_map_to_topk_reference
 
     def run():
-        saved, experts._mm_fp8_per_expert = experts._mm_fp8_per_expert, _scaled_mm_loop
+        saved = experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk
+        experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk = _scaled_mm_loop, routing_map_to_topk_reference
         try:
             step()
         finally:
-            experts._mm_fp8_per_expert = saved
+            experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk = saved
     return run
 
 
