@@ -343,6 +343,8 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
     if shape[-1] == "table":
         vs, router = [], None
         for vname, (disp, experts, recipe, opts) in (CPU_VARIANTS if args.cpu else VARIANTS).items():
+            if args.rows and not re.search(args.rows, vname) and vname != BASELINE:
+                continue
             try:
                 layer, cfg = make_layer(shape, disp, experts, recipe, opts, cuda)
                 router = layer.router.weight.detach().clone() if router is None else router
@@ -563,6 +565,9 @@ def main(argv=None):
     ap.add_argument("--burst", type=int, default=BURST,
                     help=f"cached steps per back-to-back burst in every iteration (default {BURST}; 0: none)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices of the shapes to run (default all)")
+    ap.add_argument("--rows", default=None,
+                    help="a regular expression: the 8- and 32-expert tables time only the rows whose name it "
+                         "matches, and the baseline (default all)")
     ap.add_argument("--profile", action="store_true", help="then profile --repeat cached steps of every row (CUDA only)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
