@@ -43,7 +43,6 @@ GEMMs in the step (their per-expert weight-gradient GEMMs): where each milliseco
 --cpu: tiny shapes, the variants that need neither TE nor CUDA (SequentialMLP experts), numbers
 functional only (tests/test_bench_megatron_layer.py runs it)."""
 import argparse
-import itertools
 import json
 import re
 import statistics
@@ -75,11 +74,6 @@ VARIANTS = {
 }
 CPU_VARIANTS = {"fp8_alltoall row + SequentialMLP": ("fp8_alltoall", "local", None, {}),
                 **{k: v for k, v in VARIANTS.items() if v[1] == "fp8"}}
-# the all-FP8 experts on the host path they had before ops.mm_fp8_per_expert and
-# ops.routing_map_to_topk: the per-expert GEMMs (forward, FP8 dgrad) as a Python loop of
-# torch._scaled_mm, the routing map turned into top-k slots by six torch ops; an A/B in one process
-SCALED_MM_LOOP = "fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad, torch._scaled_mm loop + six-op routing"
-VARIANTS[SCALED_MM_LOOP] = VARIANTS["fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad"]
 # name: (tokens, experts, top-k, hidden, ffn, the rows' kind: table | big)
 GPU_SHAPES = {"4096 tok x 8 experts top-8 (EP=32)": (4096, 8, 8, 7168, 2048, "table"),
               "4096 tok x 32 experts top-8 (EP=8)": (4096, 32, 8, 7168, 2048, "table"),
@@ -150,50 +144,6 @@ def layer_variant(name, layer, cfg, x, gy):
     te = [m for m in layer.modules() if hasattr(m, "is_first_microbatch") and id(m) not in idle]
     recasts = (lambda: any(m.is_first_microbatch for m in te)) if te else None
     return Variant(name, step, prepare, first, cfg, recasts)
-
-
-def _scaled_mm_loop(a, sa, wq, sw, counts, fast_accum):
-    """experts._mm_fp8_per_expert as a Python loop of torch._scaled_mm, one call per expert, each
-    expert's row scales on 16 bytes (views where they already are, else one padded copy): the
-    SCALED_MM_LOOP row's."""
-    rows = list(itertools.accumulate(counts, initial=0))
-    if sa.data_ptr() % 16 == 0 and all(r % 4 == 0 for r, n in zip(rows, counts) if n):
-        scales = [sa[r:r + n, None] for r, n in zip(rows, counts)]
-    else:
-        pieces, starts, at = [], [], 0
-        for n, r in zip(counts, rows):
-            starts.append(at)
-            pieces.append(sa[r:r + n])
-            gap = -(at + n) % 4
-            if gap:
-                pieces.append(sa.new_zeros(gap))
-            at += n + gap
-        buf = torch.cat(pieces)
-        scales = [buf[s:s + n, None] for s, n in zip(starts, counts)]
-    out = torch.empty((a.shape[0], wq.shape[1]), device=a.device, dtype=torch.bfloat16)
-    start = 0
-    for e, (n, sa_e) in enumerate(zip(counts, scales)):
-        if n:
-            torch._scaled_mm(a[start:start + n], wq[e].t(), sa_e, sw[e:e + 1], out_dtype=torch.bfloat16,
-                             use_fast_accum=fast_accum, out=out[start:start + n])
-        start += n
-    return out
-
-
-def with_scaled_mm_loop(step):
-    """step on the SCALED_MM_LOOP row's host path (the functions patched in for its calls only)."""
-    from fp8a2a import experts
-    from fp8a2a.megatron import dispatcher
-    from fp8a2a.reference import routing_map_to_topk_reference
-
-    def run():
-        saved = experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk
-        experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk = _scaled_mm_loop, routing_map_to_topk_reference
-        try:
-            step()
-        finally:
-            experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk = saved
-    return run
 
 
 def grouped_mlp_variants(shape, layer, x, gy, cuda):
@@ -351,8 +301,6 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
                 with torch.no_grad():
                     layer.router.weight.copy_(router)  # one routing for every row
                 vs.append(layer_variant(vname, layer, cfg, x, gy))
-                if vname == SCALED_MM_LOOP:
-                    vs[-1].step = with_scaled_mm_loop(vs[-1].step)
                 keep.append(layer)
             except Exception as e:  # noqa: BLE001
                 rows[vname] = {"error": f"failed: {type(e).__name__}: {e}"[:300]}

@@ -118,16 +118,3 @@ def combine_backward_rows_reference(data, scale, weights, expert_out, dtype):
     for o in (16, 8, 4, 2, 1):  # the lanes as a tree: lane l < o adds lane l + o
         acc = acc[:, :o] + acc[:, o:2 * o]
     return grad, (acc[:, 0] * s if fp8 else acc[:, 0])
-
-
-def routing_map_to_topk_reference(routing_map, probs, topk: int, drop_zero: bool = False):
-    """ops.routing_map_to_topk in six torch ops: each row's k lowest routed experts, found by topk
-    over keys that rank lower experts higher (differentiable in probs)."""
-    if drop_zero:
-        routing_map = routing_map & (probs != 0)
-    e = routing_map.shape[1]
-    k = max(1, min(int(topk), e))
-    keys = torch.where(routing_map, torch.arange(e, 0, -1, device=routing_map.device), 0)
-    val, idx = torch.topk(keys, k, dim=1, sorted=True)
-    valid = val > 0
-    return torch.where(valid, idx, -1), torch.where(valid, probs.gather(1, idx), 0)
