@@ -12,10 +12,11 @@ within 1.15x. Rows (TEGroupedMLP experts unless named): alltoall TE BF16; alltoa
 (the baseline of the ratios); alltoall TE FP8 tensorwise (current scaling); fp8_alltoall + TE FP8
 blockwise with row and with the default (block128), under tensorwise with the default (row) and
 tensor; fp8_alltoall + fp8_experts_spec (default, fp8_dgrad, fp8_dgrad +
-fp8_wgrad). Timing: CUDA events around forward + backward only, `--iters` iterations after
-warm-up, the variants of a shape interleaved (rotating order); `--repeat` times the shape's table
-again in the process: medians and min-max of the per-run medians, ratios per run against the
-baseline of that run. Both sides are timed as Megatron runs a micro-batch after a step's first:
+fp8_wgrad). --match REGEX times only the rows whose name it matches, and the baseline. Timing:
+CUDA events around forward + backward only, `--iters` iterations after warm-up, the variants of a
+shape interleaved (rotating order); `--repeat` times the shape's table again in the process:
+medians and min-max of the per-run medians, ratios per run against the baseline of that run.
+Both sides are timed as Megatron runs a micro-batch after a step's first:
 TE's linears get is_first_microbatch=False (Megatron's TE wrappers pass True to the first call
 after set_is_first_microbatch, False after it), so TE reuses its cached FP8 weights, as fp8a2a's
 FP8 experts reuse theirs; gradients are set to None before every timed call, outside the timed
@@ -293,7 +294,7 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
     if shape[-1] == "table":
         vs, router = [], None
         for vname, (disp, experts, recipe, opts) in (CPU_VARIANTS if args.cpu else VARIANTS).items():
-            if args.rows and not re.search(args.rows, vname) and vname != BASELINE:
+            if args.match and not re.search(args.match, vname) and vname != BASELINE:
                 continue
             try:
                 layer, cfg = make_layer(shape, disp, experts, recipe, opts, cuda)
@@ -513,9 +514,9 @@ def main(argv=None):
     ap.add_argument("--burst", type=int, default=BURST,
                     help=f"cached steps per back-to-back burst in every iteration (default {BURST}; 0: none)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices of the shapes to run (default all)")
-    ap.add_argument("--rows", default=None,
-                    help="a regular expression: the 8- and 32-expert tables time only the rows whose name it "
-                         "matches, and the baseline (default all)")
+    ap.add_argument("--match", default=None,
+                    help="a regular expression (re.search; escape the '+' of row names): the 8- and 32-expert "
+                         "tables time only the rows whose name it matches, and the baseline (default all)")
     ap.add_argument("--profile", action="store_true", help="then profile --repeat cached steps of every row (CUDA only)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
