@@ -44,7 +44,7 @@ cxx = ["-O3", *std, "-ffp-contract=off"]
 
 
 def cublaslt_link_args():
-    """How to link cuBLASLt (csrc/cuda/wgrad_fp8.cu calls it): the toolkit's, else the nvidia wheels'
+    """How to link cuBLASLt (csrc/cuda/expert_gemms.cu calls it): the toolkit's, else the nvidia wheels'
     of torch's CUDA major version (same soname: at run time the library torch loaded serves both),
     else the linker's own search (-lcublasLt)."""
     major = (torch.version.cuda or "").split(".")[0]

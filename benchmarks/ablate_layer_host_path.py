@@ -16,9 +16,12 @@ Alternatives, each a function patched in for that row's calls only:
                     path it stands for)
   getattr params    the expert parameters (two per expert) read through nn.Module attribute
                     lookups, not the module and parameter dicts
-  ten-op routing    Megatron's routing map turned into top-k with ten ops, not six
-  all               every alternative at once: the host path before these choices (but for
-                    the cached device-capability query and fc2's weight looked up after fc1's launch)
+  six-op routing    Megatron's routing map turned into top-k with six torch ops, not one kernel
+                    (ops.routing_map_to_topk)
+  ten-op routing    the same with ten ops
+  all               every alternative at once (the ten-op routing for the routing): the host
+                    path before these choices (but for the cached device-capability query and
+                    fc2's weight looked up after fc1's launch)
 """
 import argparse
 import contextlib
@@ -31,6 +34,7 @@ import fp8a2a.megatron as fm
 from fp8a2a.bench import costs
 from fp8a2a.megatron import dispatcher as md, experts as me
 from fp8a2a.quant import QuantizedTensor
+from fp8a2a.reference import routing_map_to_topk_reference
 
 ROW = "fp8_alltoall + fp8_experts_spec fp8_dgrad"  # the default under a TE FP8 recipe
 BASELINE = bm.BASELINE
@@ -54,7 +58,9 @@ def _getattr_params(self):
             [getattr(self.linear_fc2, f"weight{i}") for i in range(n)])
 
 
-def _ten_op_routing(routing_map, probs, topk):
+def _ten_op_routing(routing_map, probs, topk, drop_zero=False):
+    if drop_zero:
+        routing_map = routing_map & (probs != 0)
     e = routing_map.shape[1]
     k = max(1, min(int(topk), e))
     key = routing_map.to(torch.int32) * torch.arange(e, 0, -1, device=routing_map.device, dtype=torch.int32)
@@ -77,6 +83,7 @@ ALTERNATIVES = {
     "functional_call": {(me._FP8ExpertsMixin, "forward"): _functional_call_forward},
     "device counts": {(md.FP8AlltoAllTokenDispatcher, "dispatch_postprocess"): _device_counts_postprocess},
     "getattr params": {(cls, "_expert_params"): _getattr_params for cls in me.fp8_expert_classes().values()},
+    "six-op routing": {(md, "routing_map_to_topk"): routing_map_to_topk_reference},
     "ten-op routing": {(md, "routing_map_to_topk"): _ten_op_routing},
 }
 ALTERNATIVES["all"] = {k: v for alt in list(ALTERNATIVES.values()) for k, v in alt.items()}

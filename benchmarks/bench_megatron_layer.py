@@ -12,11 +12,13 @@ within 1.15x. Rows (TEGroupedMLP experts unless named): alltoall TE BF16; alltoa
 (the baseline of the ratios); alltoall TE FP8 tensorwise (current scaling); fp8_alltoall + TE FP8
 blockwise with row and with the default (block128), under tensorwise with the default (row) and
 tensor; fp8_alltoall + fp8_experts_spec (default, fp8_dgrad, fp8_dgrad +
-fp8_wgrad). --match REGEX times only the rows whose name it matches, and the baseline. Timing:
-CUDA events around forward + backward only, `--iters` iterations after warm-up, the variants of a
-shape interleaved (rotating order); `--repeat` times the shape's table again in the process:
-medians and min-max of the per-run medians, ratios per run against the baseline of that run.
-Both sides are timed as Megatron runs a micro-batch after a step's first:
+fp8_wgrad), and the last again on the host path it had before ops.mm_fp8_per_expert and
+ops.routing_map_to_topk (OLD_HOST_PATH: an A/B in one process; at 32 experts, 1024 rows per expert,
+the GEMMs take the grouped path either way and only the routing differs). --match REGEX times only
+the rows whose name it matches, and the baseline. Timing: CUDA events around forward + backward
+only, `--iters` iterations after warm-up, the variants of a shape interleaved (rotating order);
+`--repeat` times the shape's table again in the process: medians and min-max of the per-run
+medians, ratios per run against the baseline of that run. Both sides are timed as Megatron runs a micro-batch after a step's first:
 TE's linears get is_first_microbatch=False (Megatron's TE wrappers pass True to the first call
 after set_is_first_microbatch, False after it), so TE reuses its cached FP8 weights, as fp8a2a's
 FP8 experts reuse theirs; gradients are set to None before every timed call, outside the timed
@@ -75,6 +77,11 @@ VARIANTS = {
 }
 CPU_VARIANTS = {"fp8_alltoall row + SequentialMLP": ("fp8_alltoall", "local", None, {}),
                 **{k: v for k, v in VARIANTS.items() if v[1] == "fp8"}}
+# the all-FP8 experts on the host path they had before ops.mm_fp8_per_expert and
+# ops.routing_map_to_topk: the per-expert GEMMs (forward, FP8 dgrad) as a Python loop of
+# torch._scaled_mm, the routing map turned into top-k slots by six torch ops; an A/B in one process
+OLD_HOST_PATH = "fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad, torch._scaled_mm loop + six-op routing"
+VARIANTS[OLD_HOST_PATH] = CPU_VARIANTS[OLD_HOST_PATH] = VARIANTS["fp8_alltoall + fp8_experts_spec fp8_dgrad+wgrad"]
 # name: (tokens, experts, top-k, hidden, ffn, the rows' kind: table | big)
 GPU_SHAPES = {"4096 tok x 8 experts top-8 (EP=32)": (4096, 8, 8, 7168, 2048, "table"),
               "4096 tok x 32 experts top-8 (EP=8)": (4096, 32, 8, 7168, 2048, "table"),
@@ -145,6 +152,22 @@ def layer_variant(name, layer, cfg, x, gy):
     te = [m for m in layer.modules() if hasattr(m, "is_first_microbatch") and id(m) not in idle]
     recasts = (lambda: any(m.is_first_microbatch for m in te)) if te else None
     return Variant(name, step, prepare, first, cfg, recasts)
+
+
+def with_old_host_path(step):
+    """step on OLD_HOST_PATH's host path (the functions patched in for its calls only)."""
+    from fp8a2a import experts, reference
+    from fp8a2a.megatron import dispatcher
+
+    def run():
+        saved = experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk
+        experts._mm_fp8_per_expert = reference.mm_fp8_per_expert_reference
+        dispatcher.routing_map_to_topk = reference.routing_map_to_topk_reference
+        try:
+            step()
+        finally:
+            experts._mm_fp8_per_expert, dispatcher.routing_map_to_topk = saved
+    return run
 
 
 def grouped_mlp_variants(shape, layer, x, gy, cuda):
@@ -302,6 +325,8 @@ def build_groups(shape, args, cuda, x, gy, rows, keep):
                 with torch.no_grad():
                     layer.router.weight.copy_(router)  # one routing for every row
                 vs.append(layer_variant(vname, layer, cfg, x, gy))
+                if vname == OLD_HOST_PATH:
+                    vs[-1].step = with_old_host_path(vs[-1].step)
                 keep.append(layer)
             except Exception as e:  # noqa: BLE001
                 rows[vname] = {"error": f"failed: {type(e).__name__}: {e}"[:300]}

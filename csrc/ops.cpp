@@ -64,6 +64,19 @@ TORCH_LIBRARY(fp8a2a, m) {
   // Capacity mode's drop: per expert, keep the `capacity` slots with the largest router weight
   // (ties: the earlier slot); dropped slots become -1, other ids are kept. -> (ids, dropped count).
   m.def("capacity_drop(Tensor topk_idx, Tensor topk_weights, int num_experts, int capacity) -> (Tensor, Tensor)");
+  // Megatron's dense routing (a bool [T, E] map, probs [T, E]) as top-k slots: (idx int64 [T, k], -1
+  // where unused, each token's experts in ascending order, the first k where more are routed;
+  // weights [T, k] in probs' dtype, 0 where unused), k = min(topk, E). drop_zero: experts whose prob
+  // is 0 are not routed. One kernel on CUDA.
+  m.def("routing_map_to_topk(Tensor routing_map, Tensor probs, int topk, bool drop_zero) -> (Tensor, Tensor)");
+  // The row-scaled FP8 GEMMs of the experts, one per expert: out [M, N] bfloat16, out's rows of expert
+  // e (counts[e] of them, expert-major from row 0) = (a's rows * scale_a) (b[e] * scale_b[e])^T, one
+  // scale per row of a and per output channel of b, fp32 accumulation (fast_accum: cuBLAS's faster
+  // mode on CUDA). CUDA: cuBLASLt, one call for all experts (its algorithm found once per N, K and
+  // bucket of 128 rows of an expert).
+  m.def(
+      "mm_fp8_per_expert(Tensor a, Tensor scale_a, Tensor b, Tensor scale_b, int[] counts, bool fast_accum) "
+      "-> Tensor");
   // The FP8 weight gradient's GEMMs, one per expert: out [E, Na, Nb] in out_dtype, out[e] = the sum
   // over expert e's token columns (widths[e] of them, in order from column 0) of (a * scale_a) (b *
   // scale_b)^T, fp32 accumulation, each scale covering 128 columns of one operand row (1 x 128
@@ -85,6 +98,8 @@ TORCH_LIBRARY_IMPL(fp8a2a, CPU, m) {
   m.impl("combine_unpack", &combine_unpack_cpu);
   m.impl("combine_backward_rows", &combine_backward_rows_cpu);
   m.impl("capacity_drop", &capacity_drop_cpu);
+  m.impl("routing_map_to_topk", &routing_map_to_topk_cpu);
+  m.impl("mm_fp8_per_expert", &mm_fp8_per_expert_cpu);
   m.impl("wgrad_fp8_per_expert", &wgrad_fp8_per_expert_cpu);
 }
 
@@ -98,6 +113,8 @@ TORCH_LIBRARY_IMPL(fp8a2a, CUDA, m) {
   m.impl("combine_unpack", &combine_unpack_cuda);
   m.impl("combine_backward_rows", &combine_backward_rows_cuda);
   m.impl("capacity_drop", &capacity_drop_cuda);
+  m.impl("routing_map_to_topk", &routing_map_to_topk_cuda);
+  m.impl("mm_fp8_per_expert", &mm_fp8_per_expert_cuda);
   m.impl("wgrad_fp8_per_expert", &wgrad_fp8_per_expert_cuda);
 }
 #endif

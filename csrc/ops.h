@@ -59,6 +59,18 @@ std::tuple<Tensor, Tensor> capacity_drop_cpu(const Tensor& topk_idx, const Tenso
 std::tuple<Tensor, Tensor> capacity_drop_cuda(const Tensor& topk_idx, const Tensor& topk_weights, int64_t num_experts,
                                               int64_t capacity);
 
+// Megatron's dense routing as top-k slots: see ops.cpp.
+std::tuple<Tensor, Tensor> routing_map_to_topk_cpu(const Tensor& routing_map, const Tensor& probs, int64_t topk,
+                                                   bool drop_zero);
+std::tuple<Tensor, Tensor> routing_map_to_topk_cuda(const Tensor& routing_map, const Tensor& probs, int64_t topk,
+                                                    bool drop_zero);
+
+// One row-scaled FP8 GEMM per expert (the forward, the FP8 dgrad): see ops.cpp.
+Tensor mm_fp8_per_expert_cpu(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
+                             at::IntArrayRef counts, bool fast_accum);
+Tensor mm_fp8_per_expert_cuda(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
+                              at::IntArrayRef counts, bool fast_accum);
+
 // One FP8 GEMM per expert over 1 x 128-scaled operands (the FP8 weight gradient): see ops.cpp.
 Tensor wgrad_fp8_per_expert_cpu(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
                                 at::IntArrayRef widths, at::ScalarType out_dtype);
@@ -195,6 +207,55 @@ inline int64_t check_dequantize(const Tensor& data, const Tensor& scale, at::Sca
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == T && scale.size(1) * kBlock == H,
               "fp8a2a: block128 scale must be [", T, ", ", H / kBlock, "], got ", scale.sizes());
   return kBlock;
+}
+
+// routing_map_to_topk: a contiguous bool [T, E] map and contiguous float [T, E] probs on one
+// device, topk >= 1. Returns the slots per token: min(topk, E), at least 1.
+inline int64_t check_routing_map_to_topk(const Tensor& routing_map, const Tensor& probs, int64_t topk) {
+  TORCH_CHECK_VALUE(routing_map.dim() == 2 && routing_map.scalar_type() == at::kBool && routing_map.is_contiguous(),
+                    "fp8a2a: routing_map_to_topk needs a contiguous bool [tokens, experts] routing map, got ",
+                    routing_map.sizes(), " ", routing_map.scalar_type());
+  TORCH_CHECK_VALUE(probs.sizes() == routing_map.sizes() && probs.is_floating_point() && probs.is_contiguous(),
+                    "fp8a2a: routing_map_to_topk needs contiguous float probs of the routing map's shape ",
+                    routing_map.sizes(), ", got ", probs.sizes(), " ", probs.scalar_type());
+  TORCH_CHECK_VALUE(probs.device() == routing_map.device(), "fp8a2a: routing_map_to_topk: probs are on ",
+                    probs.device(), ", the routing map on ", routing_map.device());
+  TORCH_CHECK_VALUE(topk >= 1, "fp8a2a: routing_map_to_topk: topk must be at least 1, got ", topk);
+  return std::max<int64_t>(1, std::min<int64_t>(topk, routing_map.size(1)));
+}
+
+// mm_fp8_per_expert: a [M, K] and b [E, N, K] e4m3, contiguous; scale_a float32 [M] and scale_b
+// float32 [E, N], contiguous; counts: E rows per expert, none negative, summing to M; all on one
+// device. A ValueError: the caller's bug, not a GEMM to fall back from (as below).
+inline void check_mm_fp8_per_expert(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
+                                    at::IntArrayRef counts) {
+  TORCH_CHECK_VALUE(a.dim() == 2 && a.scalar_type() == at::kFloat8_e4m3fn && a.is_contiguous(),
+                    "fp8a2a: mm_fp8_per_expert needs contiguous float8_e4m3fn [rows, K] rows, got ", a.sizes(), " ",
+                    a.scalar_type());
+  TORCH_CHECK_VALUE(b.dim() == 3 && b.scalar_type() == at::kFloat8_e4m3fn && b.is_contiguous() && b.size(2) == a.size(1),
+                    "fp8a2a: mm_fp8_per_expert needs contiguous float8_e4m3fn [experts, N, ", a.size(1),
+                    "] weights, got ", b.sizes(), " ", b.scalar_type());
+  TORCH_CHECK_VALUE(scale_a.dim() == 1 && scale_a.size(0) == a.size(0) && scale_a.scalar_type() == at::kFloat &&
+                        scale_a.is_contiguous(),
+                    "fp8a2a: mm_fp8_per_expert: scale_a must be contiguous float32 [", a.size(0), "], got ",
+                    scale_a.sizes(), " ", scale_a.scalar_type());
+  TORCH_CHECK_VALUE(scale_b.dim() == 2 && scale_b.size(0) == b.size(0) && scale_b.size(1) == b.size(1) &&
+                        scale_b.scalar_type() == at::kFloat && scale_b.is_contiguous(),
+                    "fp8a2a: mm_fp8_per_expert: scale_b must be contiguous float32 [", b.size(0), ", ", b.size(1),
+                    "], got ", scale_b.sizes(), " ", scale_b.scalar_type());
+  for (const Tensor* t : {&scale_a, &b, &scale_b})
+    TORCH_CHECK_VALUE(t->device() == a.device(), "fp8a2a: mm_fp8_per_expert: an operand is on ", t->device(),
+                      ", a is on ", a.device());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(counts.size()) == b.size(0), "fp8a2a: mm_fp8_per_expert: ", counts.size(),
+                    " counts for ", b.size(0), " experts");
+  int64_t total = 0;
+  for (int64_t n : counts) {
+    TORCH_CHECK_VALUE(n >= 0 && n <= a.size(0) - total, "fp8a2a: mm_fp8_per_expert: counts must be non-negative and ",
+                      "sum to the ", a.size(0), " rows, got ", counts);
+    total += n;
+  }
+  TORCH_CHECK_VALUE(total == a.size(0), "fp8a2a: mm_fp8_per_expert: counts ", counts, " sum to ", total, ", not the ",
+                    a.size(0), " rows");
 }
 
 // wgrad_fp8_per_expert: a [Na, M] and b [Nb, M] e4m3, their scales [M / 128, Na] and [M / 128, Nb]

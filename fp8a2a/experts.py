@@ -35,8 +35,10 @@ Backends (backend=..., 'auto' picks the first that fits):
   triton_kernels.grouped_mm_fp8 instead: the same arithmetic and the same bytes out, with a
   128 x 256 x 128 tile fed by TMA, where that is faster than the op's smaller tile. Before either:
   given tokens_per_expert on the host (outside graph capture) and at least
-  ExpertsConfig.dense_min_rows_per_expert rows per expert on average, one dense torch._scaled_mm
-  per expert (faster than both on large groups).
+  ExpertsConfig.dense_min_rows_per_expert rows per expert on average, one dense row-scaled cuBLAS
+  GEMM per expert, all launched by one extension call (ops.mm_fp8_per_expert; faster than both on
+  large groups; an extension built with a CUDA toolkit before 12.9 refuses it, with a warning, and
+  the grouped GEMMs run).
 - 'triton': the FP8 GEMMs in fp8a2a.triton_kernels (grouped GEMM with a row- or block128-scale
   epilogue, fp32 promotion every 128 of K), for CUDA machines without a usable _scaled_grouped_mm.
 - 'reference': dequantize and loop over experts in fp32 (any device; the CPU path).
@@ -66,7 +68,7 @@ from .wire import BLOCK, FP8
 BACKENDS = ("auto", "scaled_grouped_mm", "triton", "reference")
 ACTIVATIONS = ("swiglu", "gelu", "relu")
 _SGMM_REFUSED = set()  # (N, K, device capability) shapes torch._scaled_grouped_mm refused
-_DENSE_REFUSED = set()  # (device, N, K) where torch._scaled_mm refused the per-expert GEMMs
+_DENSE_REFUSED = set()  # (device, N, K) where cuBLAS refused the per-expert GEMMs
 _INT32_MAX = 2 ** 31 - 1  # the GEMMs' row offsets are int32
 
 
@@ -96,8 +98,9 @@ class ExpertsConfig:
                               cuBLAS given host counts.
     dense_min_rows_per_expert:
                               likewise for the row-scaled FP8 GEMMs of the scaled_grouped_mm backend
-                              (forward, FP8 dgrad): from this average, one dense torch._scaled_mm
-                              per expert (faster than the grouped GEMMs on large groups, BENCHMARKS.md)
+                              (forward, FP8 dgrad): from this average, one dense cuBLAS GEMM per
+                              expert (ops.mm_fp8_per_expert; faster than the grouped GEMMs on large
+                              groups, BENCHMARKS.md)
                               when tokens_per_expert is on the host.
     """
     block128_native: bool = True
@@ -210,49 +213,23 @@ def _warn_refused(err, op="torch._scaled_grouped_mm refused this shape", instead
     warnings.warn(f"fp8a2a: {op} ({err}); using {instead}", RuntimeWarning, stacklevel=3)
 
 
-def _expert_row_scales(sa, counts):
-    """Each expert's row scales as an [n, 1] tensor starting on 16 bytes, as cuBLASLt needs its scale
-    vectors: slices of sa where every expert's already does (counts padded to 16 under a TE FP8
-    recipe), else sa copied once with every expert's start rounded up to 4 floats."""
-    rows = list(itertools.accumulate(counts, initial=0))
-    if sa.data_ptr() % 16 == 0 and all(r % 4 == 0 for r, n in zip(rows, counts) if n):
-        return [sa[r:r + n, None] for r, n in zip(rows, counts)]
-    pieces, starts, at = [], [], 0
-    for n, r in zip(counts, rows):
-        starts.append(at)
-        pieces.append(sa[r:r + n])
-        gap = -(at + n) % 4
-        if gap:
-            pieces.append(sa.new_zeros(gap))
-        at += n + gap
-    buf = torch.cat(pieces)
-    return [buf[s:s + n, None] for s, n in zip(starts, counts)]
-
-
 def _mm_fp8_per_expert(a, sa, wq, sw, counts, fast_accum):
-    """bf16 [M, N] = sa * (a @ wq[e]^T) * sw[e], one dense row-scaled torch._scaled_mm per expert
-    into its rows of one output (host counts: the bounds of each call); None where torch refuses."""
-    M = a.shape[0]
-    out = torch.empty((M, wq.shape[1]), device=a.device, dtype=torch.bfloat16)
-    start = 0
-    try:
-        for e, (n, sa_e) in enumerate(zip(counts, _expert_row_scales(sa, counts))):
-            if n:  # (one-row experts too, once their scales start on 16 bytes)
-                torch._scaled_mm(a[start:start + n], wq[e].t(), sa_e, sw[e:e + 1], out_dtype=torch.bfloat16,
-                                 use_fast_accum=fast_accum, out=out[start:start + n])
-            start += n
+    """bf16 [M, N] = sa * (a @ wq[e]^T) * sw[e], one dense row-scaled cuBLAS GEMM per expert with rows
+    (host counts: the bounds of each), all launched by one extension call (ops.mm_fp8_per_expert);
+    None where cuBLAS refuses."""
+    try:  # (wq: fp8_weight's copies, contiguous as the op needs them, transposed ones too)
+        return ops.mm_fp8_per_expert(a.contiguous(), sa, wq, sw, counts, fast_accum)
     except torch.OutOfMemoryError:
         raise
-    except RuntimeError as err:  # the op refused this shape: remember, use the grouped GEMM
+    except RuntimeError as err:  # cuBLAS refused this shape: remember, use the grouped GEMM
         _DENSE_REFUSED.add((a.device, wq.shape[1], a.shape[1]))
-        _warn_refused(err, "torch._scaled_mm refused the per-expert GEMMs", "the grouped GEMM")
+        _warn_refused(err, "cuBLAS refused the per-expert GEMMs", "the grouped GEMM")
         return None
-    return out
 
 
 def _dense_per_expert(tuning, counts, device, M, N, K) -> bool:
     """Whether _mm_fp8 runs one dense GEMM per expert: counts on the host, outside graph capture, at
-    least tuning.dense_min_rows_per_expert rows per expert on average, a shape torch has not refused."""
+    least tuning.dense_min_rows_per_expert rows per expert on average, a shape cuBLAS has not refused."""
     return (counts is not None and M >= tuning.dense_min_rows_per_expert * len(counts)
             and (device, N, K) not in _DENSE_REFUSED
             and not capturing(device))

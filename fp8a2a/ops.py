@@ -109,6 +109,20 @@ def _(topk_idx, topk_weights, num_experts, capacity):
     return torch.empty_like(topk_idx), topk_idx.new_empty((), dtype=torch.int64)
 
 
+@torch.library.register_fake("fp8a2a::routing_map_to_topk")
+def _(routing_map, probs, topk, drop_zero):
+    _same_device("routing_map_to_topk", routing_map, ("probs", probs))
+    k = max(1, min(topk, routing_map.shape[1]))
+    return (routing_map.new_empty((routing_map.shape[0], k), dtype=torch.int64),
+            probs.new_empty((routing_map.shape[0], k)))
+
+
+@torch.library.register_fake("fp8a2a::mm_fp8_per_expert")
+def _(a, scale_a, b, scale_b, counts, fast_accum):
+    _same_device("mm_fp8_per_expert", a, ("scale_a", scale_a), ("b", b), ("scale_b", scale_b))
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+
+
 @torch.library.register_fake("fp8a2a::wgrad_fp8_per_expert")
 def _(a, scale_a, b, scale_b, widths, out_dtype):
     _same_device("wgrad_fp8_per_expert", a, ("scale_a", scale_a), ("b", b), ("scale_b", scale_b))
@@ -142,4 +156,6 @@ dispatch_pack = _ops.dispatch_pack
 dispatch_unpack = _ops.dispatch_unpack
 combine_unpack = _ops.combine_unpack
 capacity_drop = _ops.capacity_drop
+routing_map_to_topk = _ops.routing_map_to_topk
+mm_fp8_per_expert = _ops.mm_fp8_per_expert
 wgrad_fp8_per_expert = _ops.wgrad_fp8_per_expert

@@ -2,8 +2,11 @@
 
 Used by the tests (as ground truth) and by the benchmarks (as the eager-torch way a user would
 write it: amax, div, cast, index_select / scatter). Never on the fast path."""
+import itertools
+
 import torch
 
+from .kernels import constant
 from .quant import scale_rule
 from .wire import BLOCK, FP8
 
@@ -118,3 +121,44 @@ def combine_backward_rows_reference(data, scale, weights, expert_out, dtype):
     for o in (16, 8, 4, 2, 1):  # the lanes as a tree: lane l < o adds lane l + o
         acc = acc[:, :o] + acc[:, o:2 * o]
     return grad, (acc[:, 0] * s if fp8 else acc[:, 0])
+
+
+def routing_map_to_topk_reference(routing_map, probs, topk: int, drop_zero: bool = False):
+    """ops.routing_map_to_topk in six torch ops (the dispatcher's form before that op): each row's k
+    lowest routed experts, found by topk over keys that rank lower experts higher (differentiable
+    in probs)."""
+    if drop_zero:
+        routing_map = routing_map & (probs != 0)
+    e = routing_map.shape[1]
+    k = max(1, min(int(topk), e))
+    descending = constant(("descending", e, routing_map.device),
+                          lambda: torch.arange(e, 0, -1, device=routing_map.device, dtype=torch.int32))
+    val, idx = torch.topk(torch.where(routing_map, descending, 0), k, dim=1, sorted=True)
+    valid = val > 0
+    return torch.where(valid, idx, -1), torch.where(valid, probs.gather(1, idx), 0)
+
+
+def mm_fp8_per_expert_reference(a, sa, wq, sw, counts, fast_accum):
+    """ops.mm_fp8_per_expert as a Python loop of torch._scaled_mm (the experts' form before that op):
+    bf16 [M, N], expert e's rows = (sa * a's rows) @ (sw[e] * wq[e])^T; each expert's row scales on
+    16 bytes, as cuBLASLt needs them (views where they already are, else one padded copy)."""
+    rows = list(itertools.accumulate(counts, initial=0))
+    if sa.data_ptr() % 16 == 0 and all(r % 4 == 0 for r, n in zip(rows, counts) if n):
+        scales = [sa[r:r + n, None] for r, n in zip(rows, counts)]
+    else:
+        pieces, starts, at = [], [], 0
+        for n, r in zip(counts, rows):
+            starts.append(at)
+            pieces.append(sa[r:r + n])
+            gap = -(at + n) % 4
+            if gap:
+                pieces.append(sa.new_zeros(gap))
+            at += n + gap
+        buf = torch.cat(pieces)
+        scales = [buf[s:s + n, None] for s, n in zip(starts, counts)]
+    out = torch.empty((a.shape[0], wq.shape[1]), device=a.device, dtype=torch.bfloat16)
+    for e, (r, n, sa_e) in enumerate(zip(rows, counts, scales)):
+        if n:
+            torch._scaled_mm(a[r:r + n], wq[e].t(), sa_e, sw[e:e + 1], out_dtype=torch.bfloat16,
+                             use_fast_accum=fast_accum, out=out[r:r + n])
+    return out

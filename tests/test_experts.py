@@ -18,7 +18,7 @@ from fp8a2a import experts, ops
 from fp8a2a.experts import (ExpertsConfig, FP8GroupedMLP, _block_to_row, expert_weights, fp8_weight, grouped_linear,
                             resolve_backend)
 from fp8a2a.quant import QuantizedTensor
-from fp8a2a.reference import dequantize_reference, quantize_reference
+from fp8a2a.reference import dequantize_reference, mm_fp8_per_expert_reference, quantize_reference
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -351,6 +351,21 @@ def test_fp8_wgrad_per_expert_refusal_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="refused 1 x 128 block scales"):
         assert experts._wgrad_fp8_per_expert(a, s_a, b, s_b, [100], torch.bfloat16) is None
     assert experts._CUBLAS_BLOCKWISE_REFUSED == {(a.device, torch.bfloat16, 96, 64)}
+
+
+def test_mm_fp8_per_expert_refusal_falls_back(monkeypatch):
+    """A cuBLAS that refuses the per-expert GEMMs: None (the caller's grouped GEMM), a warning, and
+    that (device, N, K) remembered, which _dense_per_expert then skips."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not supported")
+    monkeypatch.setattr(ops, "mm_fp8_per_expert", refuse)
+    monkeypatch.setattr(experts, "_DENSE_REFUSED", set())
+    a, sa = torch.zeros(6, 32).to(torch.float8_e4m3fn), torch.ones(6)
+    w, sw = torch.zeros(2, 16, 32).to(torch.float8_e4m3fn), torch.ones(2, 16)
+    with pytest.warns(RuntimeWarning, match="cuBLAS refused the per-expert GEMMs"):
+        assert experts._mm_fp8_per_expert(a, sa, w, sw, [3, 3], True) is None
+    assert experts._DENSE_REFUSED == {(a.device, 16, 32)}
+    assert not experts._dense_per_expert(ExpertsConfig(dense_min_rows_per_expert=0), (3, 3), a.device, 6, 16, 32)
 
 
 def test_fp8_wgrad_reference_is_the_blockwise_product():
@@ -769,26 +784,41 @@ def test_dense_per_expert_routing(monkeypatch):
 
 @pytest.mark.parametrize("counts", [[300, 0, 77, 1, 130], [5, 40, 3], [33, 0, 31, 35], [7], [32, 0, 64, 16],
                                     [0, 1], [1, 1, 1, 1, 1], [0, 0, 1, 0]])
-def test_dense_per_expert_scales(counts):
-    """The per-expert dense GEMMs on CPU (torch._scaled_mm runs there too): every expert's row
-    scales start on 16 bytes (cuBLASLt refused unaligned ones on an H100; where every expert's
-    already does, they are views, no copy) and hold its own values, and every expert, one-row ones
-    too, comes out as a float64 product per expert does."""
+def test_mm_fp8_per_expert_cpu(counts):
+    """The per-expert dense GEMMs' CPU twin (ops.mm_fp8_per_expert, what _mm_fp8_per_expert calls):
+    every expert, one-row and empty ones too, comes out as a float64 product of its dequantized
+    operands does, rounded to bfloat16 once."""
     torch.manual_seed(31)
     M, E, N, K = sum(counts), len(counts), 64, 48
     a = torch.randn(M, K).to(torch.float8_e4m3fn)
     sa = torch.rand(M) + 0.5
     w, sw = torch.randn(E, N, K).to(torch.float8_e4m3fn), torch.rand(E, N) + 0.5
     starts = [0] + list(itertools.accumulate(counts))
-    aligned = all(r % 4 == 0 for r, n in zip(starts, counts) if n)  # (a fresh tensor starts on 16 bytes)
-    for e, s in enumerate(experts._expert_row_scales(sa, counts)):
-        assert s.shape == (counts[e], 1) and torch.equal(s[:, 0], sa[starts[e]:starts[e + 1]])
-        assert counts[e] == 0 or s.data_ptr() % 16 == 0
-        assert (s.untyped_storage().data_ptr() == sa.untyped_storage().data_ptr()) == aligned
     y = experts._mm_fp8_per_expert(a, sa, w, sw, counts, fast_accum=True)
     ref = torch.cat([(a[s:t].double() * sa[s:t, None].double()) @ (w[e].double() * sw[e][:, None].double()).t()
                      for e, (s, t) in enumerate(zip(starts, starts[1:]))])
-    assert y.dtype == torch.bfloat16 and rel(y, ref) < 1e-2
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    assert torch.equal(y, ref.to(torch.bfloat16)) or rel(y, ref) < 2 ** -8  # one rounding of a float32 sum
+    # the torch._scaled_mm loop it replaced (the layer benchmark's A/B row runs it): the same product
+    assert rel(mm_fp8_per_expert_reference(a, sa, w, sw, counts, True), ref) < 1e-2
+
+
+def test_mm_fp8_per_expert_checks_its_operands():
+    """Bad operands or counts: a ValueError naming what is wrong (a RuntimeError is what
+    _mm_fp8_per_expert takes for cuBLAS refusing the shape and falls back from)."""
+    a, sa = torch.zeros(6, 32).to(torch.float8_e4m3fn), torch.ones(6)
+    w, sw = torch.zeros(2, 16, 32).to(torch.float8_e4m3fn), torch.ones(2, 16)
+    bad = {"counts must be non-negative": (a, sa, w, sw, [7, -1]),
+           "sum to 5": (a, sa, w, sw, [2, 3]),
+           "3 counts for 2 experts": (a, sa, w, sw, [2, 2, 2]),
+           "scale_a must be": (a, sa[:5], w, sw, [3, 3]),
+           "scale_b must be": (a, sa, w, sw.t(), [3, 3]),
+           "weights": (a, sa, w[..., :16], sw, [3, 3]),
+           "rows": (a.float(), sa, w, sw, [3, 3])}
+    for msg, args in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            ops.mm_fp8_per_expert(*args, True)
+    assert ops.mm_fp8_per_expert(a[:0], sa[:0], w, sw, [0, 0], True).shape == (0, 16)
 
 
 def test_offsets_host_and_device_paths_agree():
@@ -906,19 +936,43 @@ def test_gpu_mlp_vs_reference(backend, shape):
 @pytest.mark.parametrize("fp8_dgrad", [False, True])
 def test_gpu_dense_per_expert(fp8_dgrad, monkeypatch):
     """Host counts from dense_min_rows_per_expert rows per expert on: the forward and FP8 dgrad GEMMs
-    run one dense torch._scaled_mm per expert with rows (experts starting off 16 bytes of the row scales
-    and one of one row among them) and give
-    the reference's output and gradients, and the grouped GEMMs' (device counts) up to accumulation
-    order; no fallback taken."""
-    rows, scaled_mm = [], torch._scaled_mm
-    monkeypatch.setattr(torch, "_scaled_mm", lambda a, *args, **kw: rows.append(a.shape[0]) or scaled_mm(a, *args, **kw))
+    run one dense cuBLAS GEMM per expert with rows (experts starting off 16 bytes of the row scales
+    and one of one row among them), one extension call per projection, and give the reference's
+    output and gradients, and the grouped GEMMs' (device counts) up to accumulation order; no
+    fallback taken."""
+    calls, per_expert = [], ops.mm_fp8_per_expert
+    monkeypatch.setattr(ops, "mm_fp8_per_expert", lambda *args: calls.append(list(args[4])) or per_expert(*args))
     cfg = ExpertsConfig(dense_min_rows_per_expert=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a refused call would warn and fall back
         got = _run_mlp("scaled_grouped_mm", 2048, 768, fp8_dgrad=fp8_dgrad, config=cfg, counts_on="cpu")
-    assert rows == [n for n in GPU_TPE if n] * (4 if fp8_dgrad else 2) and not experts._DENSE_REFUSED
+    assert calls == [list(GPU_TPE)] * (4 if fp8_dgrad else 2) and not experts._DENSE_REFUSED
     check(MLP_NAMES, got, _run_mlp("reference", 2048, 768, fp8_dgrad=fp8_dgrad), TOL["scaled_grouped_mm"])
     check(MLP_NAMES, got, _run_mlp("scaled_grouped_mm", 2048, 768, fp8_dgrad=fp8_dgrad, config=cfg), 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_gpu_mm_fp8_per_expert_matches_scaled_mm(fast_accum):
+    """ops.mm_fp8_per_expert (cuBLASLt, one call for every expert) against torch._scaled_mm per expert
+    with the same row and channel scales, and against its CPU twin: experts whose row scales start
+    off 16 bytes (copied), an empty one, a one-row one, counts of one algorithm bucket and the next;
+    a second call (the cached algorithms) gives the same bytes."""
+    torch.manual_seed(29)
+    N, K = 768, 2048
+    for counts in ([300, 0, 1, 129, 128, 1000], [256, 512, 64, 1024]):
+        M, E = sum(counts), len(counts)
+        a = (torch.randn(M, K, device="cuda") * 8).to(torch.float8_e4m3fn)
+        w = (torch.randn(E, N, K, device="cuda") * 8).to(torch.float8_e4m3fn)
+        sa, sw = torch.rand(M, device="cuda") + 0.5, torch.rand(E, N, device="cuda") + 0.5
+        got = ops.mm_fp8_per_expert(a, sa, w, sw, counts, fast_accum)
+        assert torch.equal(got, ops.mm_fp8_per_expert(a, sa, w, sw, counts, fast_accum))
+        cpu = ops.mm_fp8_per_expert(a.cpu(), sa.cpu(), w.cpu(), sw.cpu(), counts, fast_accum)
+        ref = mm_fp8_per_expert_reference(a, sa, w, sw, counts, fast_accum)  # torch._scaled_mm per expert
+        for e, (start, n) in enumerate(zip(itertools.accumulate(counts, initial=0), counts)):
+            if n:
+                rows = slice(start, start + n)
+                assert rel(got[rows], ref[rows]) < 4e-3 and rel(got[rows].cpu(), cpu[rows]) < 5e-3, (counts, e)
 
 
 @gpu

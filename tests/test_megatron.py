@@ -29,6 +29,8 @@ with warnings.catch_warnings():
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
     from megatron.core.utils import make_viewless_tensor
 
+from fp8a2a import ops
+from fp8a2a.reference import routing_map_to_topk_reference
 import fp8a2a.megatron as fm
 from fp8a2a.megatron.dispatcher import FP8AlltoAllTokenDispatcher, routing_map_to_topk
 from fp8a2a.megatron.standalone import cpu_current_device, with_portable_router
@@ -618,23 +620,43 @@ def test_training_parser_is_patched_on_import(tmp_path):
         fm.register()
 
 
-def test_routing_map_to_topk():
-    g = torch.Generator().manual_seed(0)
-    T, E, K = 32, 16, 4
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("T,E,K", [(32, 16, 4), (7, 3, 8), (64, 256, 8), (0, 8, 2), (5, 1, 1)])
+def test_routing_map_to_topk(T, E, K, dtype):
+    """The one-kernel conversion against torch ops, byte for byte, gradient included: rows fully and
+    partly dropped, a row with more than k experts (its lowest kept), k above the experts, probs of 0
+    (dropped under drop_zero only)."""
+    g = torch.Generator().manual_seed(T * 1000 + E)
     scores = torch.rand(T, E, generator=g)
-    top = scores.topk(K, dim=1).indices
+    top = scores.topk(min(K, E), dim=1).indices
     routing = torch.zeros(T, E, dtype=torch.bool).scatter(1, top, True)
-    routing[3] = False  # a dropped token
-    routing[4, top[4, :2]] = False  # partly dropped
-    probs = (scores * routing).requires_grad_()
-    idx, w = routing_map_to_topk(routing, probs, K)
-    for t in range(T):
-        want = sorted(torch.nonzero(routing[t]).flatten().tolist())
-        assert idx[t][idx[t] >= 0].tolist() == want
-        assert torch.equal(w[t][idx[t] >= 0], probs[t, want])
-        assert torch.all(w[t][idx[t] < 0] == 0)
-    w.sum().backward()
-    assert torch.equal(probs.grad, routing.float())
+    if T > 5:
+        routing[3] = False  # a dropped token
+        routing[4, top[4, :2]] = False  # partly dropped
+        routing[5] = True  # more than k: the lowest k stay
+        scores[2, top[2, 0]] = 0  # a routed prob of 0
+        scores[1, top[1, 0]] = 1e-45 if dtype != torch.float64 else 1e-300  # tiny, not 0: kept
+    for drop_zero in (False, True):
+        probs = (scores * routing).to(dtype).requires_grad_()
+        ref_probs = probs.detach().clone().requires_grad_()
+        idx, w = routing_map_to_topk(routing, probs, K, drop_zero)
+        ref_idx, ref_w = routing_map_to_topk_reference(routing, ref_probs, K, drop_zero)
+        assert idx.dtype == torch.int64 and w.dtype == dtype
+        assert torch.equal(idx, ref_idx) and torch.equal(w, ref_w)
+        dy = torch.randn(w.shape, generator=g).to(dtype)
+        w.backward(dy)
+        ref_w.backward(dy)
+        assert torch.equal(probs.grad, ref_probs.grad)
+        with torch.no_grad():
+            assert all(torch.equal(a, b) for a, b in zip(routing_map_to_topk(routing, probs, K, drop_zero),
+                                                            (idx, w)))
+
+
+def test_routing_map_to_topk_checks_its_inputs():
+    m, p = torch.zeros(4, 8, dtype=torch.bool), torch.zeros(4, 8)
+    for msg, args in {"bool": (m.float(), p, 2), "probs": (m, p[:, :4], 2), "at least 1": (m, p, 0)}.items():
+        with pytest.raises(ValueError, match=msg):
+            ops.routing_map_to_topk(*args, False)
 
 
 def test_fp8_experts_spec_swaps_only_the_experts():

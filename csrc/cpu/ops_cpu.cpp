@@ -454,6 +454,59 @@ std::tuple<Tensor, Tensor> combine_backward_rows_cpu(const Tensor& data, const s
 }
 
 
+// Each token's routed experts in ascending order in its first slots (the first `k` where more are
+// routed), with their probs; the slots past them -1 and 0. drop_zero: an expert whose prob is 0 is
+// not routed.
+std::tuple<Tensor, Tensor> routing_map_to_topk_cpu(const Tensor& routing_map, const Tensor& probs, int64_t topk,
+                                                   bool drop_zero) {
+  const int64_t k = check_routing_map_to_topk(routing_map, probs, topk);
+  const int64_t T = routing_map.size(0), E = routing_map.size(1);
+  auto idx = at::empty({T, k}, routing_map.options().dtype(at::kLong));
+  auto w = at::empty({T, k}, probs.options());
+  const bool* map = routing_map.data_ptr<bool>();
+  int64_t* pidx = idx.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, probs.scalar_type(), "routing_map_to_topk", [&] {
+    const scalar_t* p = probs.data_ptr<scalar_t>();
+    scalar_t* pw = w.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t j = 0;
+      for (int64_t e = 0; e < E && j < k; ++e) {
+        const scalar_t v = p[t * E + e];
+        if (!map[t * E + e] || (drop_zero && static_cast<double>(v) == 0.0)) continue;
+        pidx[t * k + j] = e;
+        pw[t * k + j] = v;
+        ++j;
+      }
+      for (; j < k; ++j) {
+        pidx[t * k + j] = -1;
+        pw[t * k + j] = scalar_t(0);
+      }
+    }
+  });
+  return {idx, w};
+}
+
+// The semantics of the row-scaled per-expert GEMMs: each operand dequantized (a's rows times their
+// scale, b[e]'s rows times theirs), one float32 matmul per expert, rounded to bfloat16 once (the
+// product fp8a2a/experts.py's reference backend computes). cuBLAS's accumulation order differs, so
+// the CUDA op matches this one to a tolerance, not to the byte.
+Tensor mm_fp8_per_expert_cpu(const Tensor& a, const Tensor& scale_a, const Tensor& b, const Tensor& scale_b,
+                             at::IntArrayRef counts, bool /*fast_accum: cuBLAS's, no effect here*/) {
+  check_mm_fp8_per_expert(a, scale_a, b, scale_b, counts);
+  auto out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kBFloat16));
+  int64_t start = 0;
+  for (int64_t e = 0; e < b.size(0); ++e) {
+    const int64_t n = counts[e];
+    if (n > 0) {
+      auto x = a.narrow(0, start, n).to(at::kFloat) * scale_a.narrow(0, start, n).unsqueeze(1);
+      auto w = b[e].to(at::kFloat) * scale_b[e].unsqueeze(1);
+      out.narrow(0, start, n).copy_(at::matmul(x, w.t()));
+    }
+    start += n;
+  }
+  return out;
+}
+
 // The semantics of the FP8 weight gradient's per-expert GEMMs: each operand dequantized (its e4m3
 // values times the scale of their 128-column block), one float32 matmul per expert (the product
 // fp8a2a/experts.py's _wgrad_fp8_reference emulates from its own quantization). cuBLAS's

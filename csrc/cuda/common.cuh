@@ -28,8 +28,13 @@
 //   combine_pack      1
 //   combine_unpack    1
 //   combine_backward_rows 1 (a warp per row)
+//   routing_map_to_topk 1 (a thread per token)
+//   mm_fp8_per_expert one cuBLASLt GEMM per expert with rows; a copy of the row scales first
+//                     (1 kernel per 128 experts) where an expert's start is off 16 bytes
+//                     (csrc/cuda/expert_gemms.cu; it and wgrad_fp8_per_expert match their CPU twins
+//                     to a tolerance: cuBLAS's accumulation order is its own)
 //   wgrad_fp8_per_expert  one cuBLASLt GEMM per expert with columns (a memset for one without),
-//                     no kernel of fp8a2a's own (csrc/cuda/wgrad_fp8.cu)
+//                     no kernel of fp8a2a's own (csrc/cuda/expert_gemms.cu)
 // Corrupt input cannot raise on the GPU without a sync: out-of-range positions are skipped instead
 // (their slot_pos entries are -1), out-of-range expert ids are counted in the bad-ids column, rows
 // over a rank's capacity are not written (send_pos -1).

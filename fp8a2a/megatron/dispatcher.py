@@ -61,8 +61,8 @@ import torch
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .. import Dispatcher
-from ..kernels import capturing, constant
+from .. import Dispatcher, ops
+from ..kernels import capturing
 from ..quant import QuantizedTensor, dequantize
 from .options import Options, resolve
 
@@ -99,18 +99,36 @@ def _attach(carrier: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+class _RoutingMapToTopk(torch.autograd.Function):
+    """ops.routing_map_to_topk with the weights differentiable: each slot's gradient goes back to
+    the prob it was read from."""
+
+    @staticmethod
+    def forward(ctx, routing_map, probs, k, drop_zero):
+        idx, weights = ops.routing_map_to_topk(routing_map, probs, k, drop_zero)
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(idx)
+        ctx.shape = probs.shape
+        return idx, weights
+
+    @staticmethod
+    def backward(ctx, _, grad):
+        (idx,) = ctx.saved_tensors
+        unused = idx < 0
+        return None, grad.new_zeros(ctx.shape).scatter_add_(1, idx.masked_fill(unused, 0),
+                                                            grad.masked_fill(unused, 0)), None, None
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int, drop_zero: bool = False):
     """Megatron's dense routing ([T, E] bool map, [T, E] probs) -> (topk_idx [T, k] int64, -1 where
-    unused, experts in ascending order; topk_weights [T, k] in probs' dtype, differentiable).
-    Rows must hold at most `topk` experts (the router guarantees it); no host sync."""
-    t, e = routing_map.shape
-    k = max(1, min(int(topk), e))
-    descending = constant(("descending", e, routing_map.device),  # the lower expert, the larger key
-                          lambda: torch.arange(e, 0, -1, device=routing_map.device, dtype=torch.int32))
-    key = torch.where(routing_map, descending, 0)
-    val, idx = torch.topk(key, k, dim=1, sorted=True)
-    valid = val > 0
-    return torch.where(valid, idx, -1), torch.where(valid, probs.gather(1, idx), 0)
+    unused, experts in ascending order; topk_weights [T, k] in probs' dtype, differentiable), one
+    kernel, no host sync. Rows must hold at most `topk` experts (the router guarantees it; a row
+    with more keeps its lowest). drop_zero: experts whose prob is 0 are not routed (the capacity
+    factor's padding)."""
+    routing_map, probs = routing_map.contiguous(), probs.contiguous()
+    if probs.requires_grad and torch.is_grad_enabled():
+        return _RoutingMapToTopk.apply(routing_map, probs, int(topk), drop_zero)
+    return ops.routing_map_to_topk(routing_map, probs, int(topk), drop_zero)
 
 
 def padded_rows(counts, tokens_per_expert, multiple, rows):
@@ -279,9 +297,7 @@ class FP8AlltoAllTokenDispatcher(MoETokenDispatcher):
             self.set_experts(None)  # built outside MoELayer's hook: Megatron's experts
         self.hidden_shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_shape[-1])
-        if self.strip_capacity_padding:
-            routing_map = routing_map & (probs != 0)
-        idx, weights = routing_map_to_topk(routing_map, probs, self.router_topk)
+        idx, weights = routing_map_to_topk(routing_map, probs, self.router_topk, self.strip_capacity_padding)
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(x.view(self.hidden_shape))
         self._x, self._topk_idx, self._probs_dtype = x, idx, probs.dtype

@@ -198,6 +198,27 @@ def test_capacity_drop(t, k, e, cap, weights, idx_dtype):
     exact(a[1], b[1], "dropped")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("t,e,k", [(4096, 8, 8), (4096, 256, 8), (3, 300, 2), (0, 8, 2), (100, 4, 6)])
+def test_routing_map_to_topk(t, e, k, dtype):
+    """Megatron's dense routing as top-k slots, CUDA against CPU: rows of up to k experts, a row
+    dropped, a row over k, probs of 0 (routed, or not under drop_zero)."""
+    g = seeded(f"routing_map_to_topk {t} {e} {k} {dtype}")
+    scores = torch.rand(t, e, generator=g)
+    routing = torch.zeros(t, e, dtype=torch.bool)
+    if t:
+        routing.scatter_(1, scores.topk(min(k, e), dim=1).indices, True)
+        routing[0] = False
+        routing[-1] = True
+        scores[t // 2] = 0
+    probs = (scores * routing).to(dtype)
+    for drop_zero in (False, True):
+        a = ops.routing_map_to_topk(routing, probs, k, drop_zero)
+        b = no_sync(ops.routing_map_to_topk, dev(routing), dev(probs), k, drop_zero)
+        exact(a[0], b[0], "idx")
+        exact(a[1], b[1], "weights")
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 def test_capacity_drop_graph_replays_new_routings(idx_dtype):
     """The bucket path captured once, replayed on routings that leave it many buckets, none and one
